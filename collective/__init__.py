@@ -1,0 +1,63 @@
+"""Collective communication for Ray actors over Gloo, a drop-in for ``ray.util.collective``."""
+
+from collective.api import (
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    recv,
+    reduce,
+    reducescatter,
+    send,
+)
+from collective.groups.base import BaseGroup
+from collective.lifecycle import (
+    create_collective_group,
+    declare_collective_group,
+    destroy_collective_group,
+    get_collective_group_size,
+    get_group_handle,
+    get_rank,
+    gloo_available,
+    init_collective_group,
+    is_backend_available,
+    is_group_initialized,
+    nccl_available,
+)
+from collective.types import (
+    Backend,
+    CollectiveError,
+    CollectiveTimeoutError,
+    GroupNotFoundError,
+    ReduceOp,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BaseGroup",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "GroupNotFoundError",
+    "ReduceOp",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "create_collective_group",
+    "declare_collective_group",
+    "destroy_collective_group",
+    "get_collective_group_size",
+    "get_group_handle",
+    "get_rank",
+    "gloo_available",
+    "init_collective_group",
+    "is_backend_available",
+    "is_group_initialized",
+    "nccl_available",
+    "recv",
+    "reduce",
+    "reducescatter",
+    "send",
+]

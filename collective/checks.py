@@ -1,0 +1,114 @@
+"""Argument checks shared by the public functions; each raises before any communication."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from collective import tensor
+from collective.groups.base import BaseGroup
+from collective.tensor import TensorSpec
+
+
+def check_int(value: Any, name: str) -> int:
+    """Return ``value`` if it is an int (not a bool), else raise ``TypeError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def check_group_name(group_name: Any) -> str:
+    """Return ``group_name`` if it is a non-empty string."""
+    if not isinstance(group_name, str):
+        raise TypeError(f"group_name must be a str, got {type(group_name).__name__}")
+    if not group_name:
+        raise ValueError("group_name must be a non-empty string")
+    return group_name
+
+
+def check_world_size(world_size: Any) -> int:
+    """Return ``world_size`` if it is an int of at least 1."""
+    if check_int(world_size, "world_size") < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    return world_size
+
+
+def check_rank(rank: Any, world_size: int, name: str = "rank") -> int:
+    """Return ``rank`` if it lies in ``[0, world_size)``."""
+    if not 0 <= check_int(rank, name) < world_size:
+        raise ValueError(f"{name} must be in [0, {world_size}), got {rank}")
+    return rank
+
+
+def check_peer(rank: Any, group: BaseGroup, name: str) -> int:
+    """Return a peer rank for send/recv: in range and not this rank."""
+    check_rank(rank, group.world_size, name)
+    if rank == group.rank:
+        raise ValueError(f"{name} must name another rank, got this rank ({rank})")
+    return rank
+
+
+def check_permutation(ranks: Any, world_size: int) -> list[int]:
+    """Return ``ranks`` as a list if it is a permutation of ``range(world_size)``."""
+    if not isinstance(ranks, (list, tuple)):
+        raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
+    for i, rank in enumerate(ranks):
+        check_int(rank, f"ranks[{i}]")
+    if sorted(ranks) != list(range(world_size)):
+        raise ValueError(f"ranks must be a permutation of 0..{world_size - 1}, got {list(ranks)}")
+    return list(ranks)
+
+
+def check_timeout(timeout: Any) -> timedelta | None:
+    """Return ``timeout`` if it is None or a positive ``timedelta``."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
+
+
+def check_tensor(group: BaseGroup, x: Any, name: str) -> TensorSpec:
+    """Return the spec of ``x`` if ``group``'s backend can use it."""
+    spec = tensor.spec(x, name)
+    group.check_tensor(spec, name)
+    return spec
+
+
+def check_tensor_list(
+    group: BaseGroup, xs: Any, name: str, like: TensorSpec, length: int
+) -> list[Any]:
+    """Return ``xs`` as a list of ``length`` buffers of ``like``'s shape and dtype."""
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+    if len(xs) != length:
+        raise ValueError(f"{name} must hold {length} tensors (the world size), got {len(xs)}")
+    for i, x in enumerate(xs):
+        spec = check_tensor(group, x, f"{name}[{i}]")
+        if (spec.shape, spec.dtype) != (like.shape, like.dtype):
+            raise ValueError(
+                f"{name}[{i}] is {spec.describe()} but must match tensor, {like.describe()}"
+            )
+    return list(xs)
+
+
+def check_disjoint(
+    outputs: Sequence[tuple[str, Any]], others: Sequence[tuple[str, Any]] = ()
+) -> None:
+    """Reject outputs that share memory with each other or with ``others``.
+
+    Args:
+        outputs: ``(name, buffer)`` pairs that the op writes.
+        others: ``(name, buffer)`` pairs that the op reads.
+
+    Raises:
+        ValueError: two of the buffers overlap, naming both.
+
+    """
+    for i, (name, x) in enumerate(outputs):
+        for other_name, other in list(outputs[:i]) + list(others):
+            if tensor.overlaps(x, other):
+                raise ValueError(f"{name} and {other_name} share memory; pass distinct buffers")

@@ -1,0 +1,1 @@
+"""Backends behind one abstract group API."""

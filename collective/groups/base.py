@@ -1,0 +1,140 @@
+"""BaseGroup: the abstract API every backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, ClassVar
+
+from collective.tensor import TensorSpec
+from collective.types import (
+    DEFAULT_TIMEOUT,
+    AllGatherOptions,
+    AllReduceOptions,
+    Backend,
+    BarrierOptions,
+    BroadcastOptions,
+    RecvOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    SendOptions,
+)
+
+
+class BaseGroup(ABC):
+    """One collective group as seen by one of its ranks.
+
+    Ops take lists of tensors, one per device the rank drives (a single element
+    except in the ``*_multigpu`` calls), and write their results in place.
+    Arguments reach a group already checked; a group only moves data.
+    """
+
+    device_type: ClassVar[str] = "cpu"
+    """The device kind ("cpu" or "cuda") whose buffers this backend takes."""
+
+    dtypes: ClassVar[frozenset[str]] = frozenset()
+    """The dtype names this backend reduces and moves."""
+
+    def __init__(
+        self, world_size: int, rank: int, group_name: str, timeout: timedelta = DEFAULT_TIMEOUT
+    ) -> None:
+        """Record the group's identity; subclasses connect the ranks."""
+        self._world_size = world_size
+        self._rank = rank
+        self._group_name = group_name
+        self._timeout = timeout
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks in the group."""
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        """Return this process's rank in the group."""
+        return self._rank
+
+    @property
+    def group_name(self) -> str:
+        """Return the group's name."""
+        return self._group_name
+
+    @property
+    def timeout(self) -> timedelta:
+        """Return the default timeout of the group's waits and ops."""
+        return self._timeout
+
+    @classmethod
+    @abstractmethod
+    def backend(cls) -> Backend:
+        """Return the backend this class implements."""
+
+    @classmethod
+    @abstractmethod
+    def check_backend_availability(cls) -> bool:
+        """Return whether this backend's dependencies are importable here."""
+
+    def check_tensor(self, spec: TensorSpec, name: str) -> None:
+        """Reject a buffer this backend cannot use.
+
+        Raises:
+            TypeError: the buffer is on the wrong device kind or of an unsupported dtype.
+
+        """
+        if spec.device.split(":")[0] != self.device_type:
+            raise TypeError(
+                f"{name} must be a {self.device_type} buffer for a {self.backend().value} "
+                f"group, got one on {spec.device}"
+            )
+        if spec.dtype not in self.dtypes:
+            raise TypeError(
+                f"{name} has dtype {spec.dtype}, which the {self.backend().value} backend "
+                f"does not support; supported: {sorted(self.dtypes)}"
+            )
+
+    @abstractmethod
+    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> None:
+        """Reduce ``tensors`` across ranks; every rank's buffers receive the result."""
+
+    @abstractmethod
+    def barrier(self, options: BarrierOptions) -> None:
+        """Block until every rank has entered the barrier."""
+
+    @abstractmethod
+    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> None:
+        """Reduce ``tensors`` onto the root; only the root's buffer is written."""
+
+    @abstractmethod
+    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> None:
+        """Copy the root's buffer into every other rank's buffer."""
+
+    @abstractmethod
+    def allgather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: AllGatherOptions,
+    ) -> None:
+        """Gather every rank's tensor into each rank's list; the lists are written."""
+
+    @abstractmethod
+    def reducescatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ReduceScatterOptions,
+    ) -> None:
+        """Reduce the lists elementwise; rank i's ``tensors`` receive the i-th result."""
+
+    @abstractmethod
+    def send(self, tensors: Sequence[Any], options: SendOptions) -> None:
+        """Send ``tensors`` to ``options.dst_rank``."""
+
+    @abstractmethod
+    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> None:
+        """Receive into ``tensors`` from ``options.src_rank``."""
+
+    @abstractmethod
+    def destroy_group(self) -> None:
+        """Release the group's connections and threads; the group is unusable after."""

@@ -1,0 +1,305 @@
+"""GlooGroup: one torch ``ProcessGroupGloo`` per group, built directly from a store."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from collective.groups.base import BaseGroup
+from collective.rendezvous import RendezvousStore
+from collective.tensor import DTYPES, CpuBuffer, cpu_buffer
+from collective.types import (
+    DEFAULT_TIMEOUT,
+    AllGatherOptions,
+    AllReduceOptions,
+    Backend,
+    BarrierOptions,
+    BroadcastOptions,
+    CollectiveError,
+    CollectiveTimeoutError,
+    RecvOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    SendOptions,
+)
+
+ADDRESS_KEY = "gloo/address"
+"""Store key under which rank 0 publishes its TCPStore's ``host:port``."""
+
+_P2P_TAG = 0
+
+
+@functools.cache
+def _dist() -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise CollectiveError(
+            "the gloo backend needs torch with torch.distributed: pip install torch"
+        ) from exc
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise CollectiveError(
+            "this torch build has no gloo support; install a standard torch wheel"
+        )
+    return dist
+
+
+def _options(kind: str, timeout: timedelta, **fields: Any) -> Any:
+    """Build torch's ``<kind>Options`` for one gloo call with ``timeout`` and ``fields``."""
+    options = getattr(_dist().distributed_c10d, f"{kind}Options")()
+    options.timeout = timeout
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+def _reduce_op(op: ReduceOp) -> Any:
+    return getattr(_dist().ReduceOp, op.name)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class GlooGroup(BaseGroup):
+    """A group of CPU ranks connected by torch's ``ProcessGroupGloo``.
+
+    Rank 0 starts a ``TCPStore`` on port 0 at ``host`` and publishes its address
+    through the rendezvous store; the other ranks read it and connect. The Gloo
+    device binds to ``host``, so no network interface variable is consulted.
+    """
+
+    device_type = "cpu"
+    dtypes = DTYPES
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        store: RendezvousStore,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        host: str = "127.0.0.1",
+    ) -> None:
+        """Connect this rank to the others; blocks until every rank has arrived.
+
+        Raises:
+            CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
+            CollectiveError: gloo or its store failed to start.
+
+        """
+        super().__init__(world_size, rank, group_name, timeout)
+        self._error: CollectiveError | None = None
+        self._tcp_store: Any = None
+        self._pg: Any = None
+        dist = _dist()
+        try:
+            self._tcp_store = self._connect_store(store, host)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            prefixed = dist.PrefixStore(f"{group_name}/", self._tcp_store)
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        except TimeoutError as exc:
+            self.destroy_group()
+            raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
+        except RuntimeError as exc:
+            self.destroy_group()
+            raise self._failure("init", timeout, exc) from exc
+
+    def _connect_store(self, store: RendezvousStore, host: str) -> Any:
+        dist = _dist()
+        if self.rank == 0:
+            tcp_store = dist.TCPStore(host, 0, None, True, self.timeout, wait_for_workers=False)
+            store.set(ADDRESS_KEY, f"{host}:{tcp_store.port}".encode())
+            return tcp_store
+        address = store.get(ADDRESS_KEY, self.timeout).decode()
+        master, _, port = address.rpartition(":")
+        return dist.TCPStore(master, int(port), None, False, self.timeout)
+
+    @classmethod
+    def backend(cls) -> Backend:
+        """Return ``Backend.GLOO``."""
+        return Backend.GLOO
+
+    @classmethod
+    def check_backend_availability(cls) -> bool:
+        """Return whether torch with gloo support is importable."""
+        try:
+            _dist()
+        except CollectiveError:
+            return False
+        return True
+
+    @property
+    def error(self) -> CollectiveError | None:
+        """Return the failure that made this group unusable, or None if it is healthy."""
+        return self._error
+
+    def _failure(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
+        if _is_timeout(exc):
+            return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, str(exc))
+        return CollectiveError(
+            f"{op} on group {self.group_name!r} failed on rank {self.rank}: {exc}"
+        )
+
+    def _run(
+        self,
+        op: str,
+        timeout: timedelta | None,
+        start: Callable[[timedelta], Any],
+        p2p: bool = False,
+    ) -> None:
+        """Start one gloo op with ``start(timeout)`` and wait for it to finish.
+
+        Collectives carry their timeout in gloo's options and end by themselves;
+        point-to-point ops take it in ``wait``. Any failure leaves the group unusable.
+        """
+        if self._error is not None:
+            raise CollectiveError(
+                f"group {self.group_name!r} is unusable after an earlier failure; destroy it "
+                f"and create it again. The failure was: {self._error}"
+            )
+        if self._pg is None:
+            raise CollectiveError(f"group {self.group_name!r} has been destroyed")
+        timeout = timeout or self.timeout
+        try:
+            work = start(timeout)
+            if p2p:
+                work.wait(timeout)
+            else:
+                work.wait()
+        except RuntimeError as exc:
+            self._error = self._failure(op, timeout, exc)
+            raise self._error from exc
+
+    @staticmethod
+    def _one(tensors: Sequence[Any], name: str, writable: bool) -> CpuBuffer:
+        if len(tensors) != 1:
+            raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
+        return cpu_buffer(tensors[0], name, writable)
+
+    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> None:
+        """Sum (or reduce by ``options.reduce_op``) into every rank's tensor, in place."""
+        buf = self._one(tensors, "tensor", writable=True)
+        op = _reduce_op(options.reduce_op)
+        self._run(
+            "allreduce",
+            options.timeout,
+            lambda t: self._pg.allreduce([buf.tensor], _options("Allreduce", t, reduceOp=op)),
+        )
+        buf.commit()
+
+    def barrier(self, options: BarrierOptions) -> None:
+        """Block until every rank has entered the barrier."""
+        self._run("barrier", options.timeout, lambda t: self._pg.barrier(_options("Barrier", t)))
+
+    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> None:
+        """Reduce onto the root's tensor; other ranks' tensors are left unchanged.
+
+        Gloo uses every rank's buffer as scratch, so non-root ranks reduce from a copy.
+        """
+        is_root = self.rank == options.root_rank
+        buf = self._one(tensors, "tensor", writable=is_root)
+        tensor = buf.tensor if is_root else buf.tensor.clone()
+        op, root = _reduce_op(options.reduce_op), options.root_rank
+        self._run(
+            "reduce",
+            options.timeout,
+            lambda t: self._pg.reduce([tensor], _options("Reduce", t, reduceOp=op, rootRank=root)),
+        )
+        buf.commit()
+
+    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> None:
+        """Copy the root's tensor into every other rank's tensor, in place."""
+        buf = self._one(tensors, "tensor", writable=self.rank != options.root_rank)
+        root = options.root_rank
+        self._run(
+            "broadcast",
+            options.timeout,
+            lambda t: self._pg.broadcast([buf.tensor], _options("Broadcast", t, rootRank=root)),
+        )
+        buf.commit()
+
+    def allgather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: AllGatherOptions,
+    ) -> None:
+        """Write rank i's tensor into element i of every rank's list."""
+        source = self._one(tensors, "tensor", writable=False)
+        if len(tensor_lists) != 1:
+            raise ValueError(
+                f"the gloo backend takes one tensor_list per rank, got {len(tensor_lists)}"
+            )
+        outputs = [
+            cpu_buffer(t, f"tensor_list[{i}]", writable=True) for i, t in enumerate(tensor_lists[0])
+        ]
+        out = [[o.tensor for o in outputs]]
+        self._run(
+            "allgather",
+            options.timeout,
+            lambda t: self._pg.allgather(out, [source.tensor], _options("Allgather", t)),
+        )
+        for output in outputs:
+            output.commit()
+
+    def reducescatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ReduceScatterOptions,
+    ) -> None:
+        """Reduce element i of every rank's list into rank i's tensor; inputs stay unchanged.
+
+        This is gloo's native reduce_scatter, not one allreduce per chunk.
+        """
+        output = self._one(tensors, "tensor", writable=True)
+        if len(tensor_lists) != 1:
+            raise ValueError(
+                f"the gloo backend takes one tensor_list per rank, got {len(tensor_lists)}"
+            )
+        inputs = [
+            cpu_buffer(t, f"tensor_list[{i}]", writable=False)
+            for i, t in enumerate(tensor_lists[0])
+        ]
+        op, chunks = _reduce_op(options.reduce_op), [[i.tensor for i in inputs]]
+        self._run(
+            "reducescatter",
+            options.timeout,
+            lambda t: self._pg.reduce_scatter(
+                [output.tensor], chunks, _options("ReduceScatter", t, reduceOp=op)
+            ),
+        )
+        output.commit()
+
+    def send(self, tensors: Sequence[Any], options: SendOptions) -> None:
+        """Send the tensor to ``options.dst_rank``; returns once it has been sent."""
+        buf = self._one(tensors, "tensor", writable=False)
+        self._run(
+            "send",
+            options.timeout,
+            lambda _: self._pg.send([buf.tensor], options.dst_rank, _P2P_TAG),
+            p2p=True,
+        )
+
+    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> None:
+        """Receive from ``options.src_rank`` into the tensor, in place."""
+        buf = self._one(tensors, "tensor", writable=True)
+        self._run(
+            "recv",
+            options.timeout,
+            lambda _: self._pg.recv([buf.tensor], options.src_rank, _P2P_TAG),
+            p2p=True,
+        )
+        buf.commit()
+
+    def destroy_group(self) -> None:
+        """Drop the process group and the TCPStore; their threads and sockets close."""
+        self._pg = None
+        self._tcp_store = None

@@ -1,0 +1,296 @@
+"""Create, find, query and destroy groups; the Ray-facing half of the public API."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from collective import checks, rendezvous
+from collective.groups.base import BaseGroup
+from collective.groups.gloo import GlooGroup
+from collective.manager import GroupManager
+from collective.rendezvous import Declaration, RayRendezvousStore
+from collective.types import (
+    Backend,
+    CollectiveError,
+    CollectiveTimeoutError,
+    GroupNotFoundError,
+)
+
+_BACKENDS: dict[Backend, type[BaseGroup]] = {Backend.GLOO: GlooGroup}
+_MISSING = {
+    Backend.NCCL: (
+        "the nccl backend is not available in this release of collective; "
+        "use backend='gloo' for CPU tensors"
+    ),
+}
+
+_manager = GroupManager()
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise CollectiveError("collective groups need Ray: pip install ray") from exc
+    return ray
+
+
+def _in_ray_worker() -> bool:
+    ray = _ray()
+    return ray.is_initialized() and ray._private.worker.global_worker.mode == ray.WORKER_MODE
+
+
+def _require_ray_worker(function: str) -> None:
+    if not _in_ray_worker():
+        raise CollectiveError(f"{function} must be called inside a Ray actor or task")
+
+
+def _group_class(backend: Backend) -> type[BaseGroup]:
+    cls = _BACKENDS.get(backend)
+    if cls is None:
+        raise CollectiveError(_MISSING[backend])
+    if not cls.check_backend_availability():
+        raise CollectiveError(f"the {backend.value} backend's dependencies are not installed")
+    return cls
+
+
+def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
+    if checks.check_timeout(timeout) is not None:
+        return timeout
+    if checks.check_int(gloo_timeout, "gloo_timeout") <= 0:
+        raise ValueError(f"gloo_timeout must be a positive number of ms, got {gloo_timeout}")
+    return timedelta(milliseconds=gloo_timeout)
+
+
+def _join_and_build(
+    group_name: str, rank: int, world_size: int, backend: Backend, timeout: timedelta
+) -> tuple[BaseGroup, RayRendezvousStore]:
+    """Meet the other ranks through the group's store actor and connect to them."""
+    cls = _group_class(backend)
+    try:
+        store, _ = rendezvous.join_store(group_name, rank, world_size, backend.value, timeout)
+    except TimeoutError as exc:
+        raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
+    host = _ray().util.get_node_ip_address()
+    try:
+        group = cls(world_size, rank, group_name, store, timeout, host)
+    except CollectiveTimeoutError as exc:
+        detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
+        rendezvous.leave_store(store, rank)
+        raise CollectiveTimeoutError("init", group_name, rank, timeout, detail) from exc
+    except BaseException:
+        rendezvous.leave_store(store, rank)
+        raise
+    return group, store
+
+
+def _declared_rank(group_name: str) -> tuple[Declaration, int] | None:
+    """Return the declaration of ``group_name`` and this actor's rank in it, or None."""
+    if not _in_ray_worker():
+        return None
+    store = rendezvous.find_store(group_name)
+    if store is None:
+        return None
+    try:
+        declaration = store.call("declaration")
+    except (CollectiveError, TimeoutError):
+        return None
+    actor_id = _ray().get_runtime_context().get_actor_id()
+    if declaration is None or actor_id not in declaration.ranks:
+        return None
+    return declaration, declaration.ranks[actor_id]
+
+
+def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | None:
+    found = _declared_rank(group_name)
+    if found is None:
+        return None
+    declaration, rank = found
+    backend = Backend(declaration.backend)
+    return _join_and_build(group_name, rank, declaration.world_size, backend, declaration.timeout)
+
+
+def get_group_handle(group_name: str = "default") -> BaseGroup:
+    """Return this process's group ``group_name``, building a declared group on first use.
+
+    Raises:
+        GroupNotFoundError: no such group exists for this process.
+
+    """
+    checks.check_group_name(group_name)
+    group = _manager.get_or_build(group_name, lambda: _build_declared(group_name))
+    if group is None:
+        raise GroupNotFoundError(
+            f"group {group_name!r} is not initialized in this process and was not declared "
+            "with this actor as a member"
+        )
+    return group
+
+
+def init_collective_group(
+    world_size: int,
+    rank: int,
+    backend: Backend | str = Backend.NCCL,
+    group_name: str = "default",
+    gloo_timeout: int = 30000,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Join this actor to a collective group as ``rank``; blocks until all ranks arrive.
+
+    Args:
+        world_size: the number of ranks in the group.
+        rank: this actor's rank, in ``[0, world_size)``.
+        backend: ``"gloo"`` or ``"nccl"`` (any case), or a ``Backend``.
+        group_name: the group's name, unique among live groups of the job.
+        gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
+        timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
+
+    Raises:
+        ValueError, TypeError: an argument is invalid.
+        CollectiveError: the group exists here already, or the backend is unavailable.
+        CollectiveTimeoutError: not every rank arrived in time.
+
+    """
+    checks.check_group_name(group_name)
+    world_size = checks.check_world_size(world_size)
+    checks.check_rank(rank, world_size)
+    backend = Backend.parse(backend)
+    group_timeout = _resolve_timeout(gloo_timeout, timeout)
+    _group_class(backend)
+    _require_ray_worker("init_collective_group")
+    _manager.create(
+        group_name, lambda: _join_and_build(group_name, rank, world_size, backend, group_timeout)
+    )
+
+
+def declare_collective_group(
+    actors: list[Any],
+    world_size: int,
+    ranks: list[int],
+    backend: Backend | str = Backend.NCCL,
+    group_name: str = "default",
+    gloo_timeout: int = 30000,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Declare from the driver that ``actors`` form a group; each builds it on first use.
+
+    Nothing runs in the actors now. ``get_rank`` and ``get_collective_group_size``
+    inside them already return the declared values.
+
+    Args:
+        actors: the member actors' handles.
+        world_size: the number of ranks; equal to ``len(actors)``.
+        ranks: ``ranks[i]`` is the rank of ``actors[i]``; a permutation of the ranks.
+        backend: ``"gloo"`` or ``"nccl"`` (any case), or a ``Backend``.
+        group_name: the group's name, unique among live groups of the job.
+        gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
+        timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
+
+    Raises:
+        ValueError, TypeError: an argument is invalid.
+        CollectiveError: a group of that name exists, or the backend is unavailable.
+
+    """
+    checks.check_group_name(group_name)
+    world_size = checks.check_world_size(world_size)
+    if not isinstance(actors, (list, tuple)):
+        raise TypeError(f"actors must be a list of actor handles, got {type(actors).__name__}")
+    if not isinstance(ranks, (list, tuple)) or len(actors) != len(ranks):
+        got = len(ranks) if isinstance(ranks, (list, tuple)) else type(ranks).__name__
+        raise ValueError(f"ranks must hold one rank per actor ({len(actors)}), got {got}")
+    ranks = checks.check_permutation(ranks, world_size)
+    ray = _ray()
+    ids = []
+    for i, actor in enumerate(actors):
+        if not isinstance(actor, ray.actor.ActorHandle):
+            raise TypeError(f"actors[{i}] must be a Ray actor handle, got {type(actor).__name__}")
+        ids.append(actor._ray_actor_id.hex())
+    if len(set(ids)) != len(ids):
+        raise ValueError("actors must be distinct; the same actor appears twice")
+    backend = Backend.parse(backend)
+    group_timeout = _resolve_timeout(gloo_timeout, timeout)
+    _group_class(backend)
+    if not ray.is_initialized():
+        raise CollectiveError("declare_collective_group needs ray.init() first")
+    membership = dict(zip(ids, ranks, strict=True))
+    declaration = Declaration(world_size, backend.value, membership, group_timeout)
+    rendezvous.declare_store(group_name, declaration)
+
+
+create_collective_group = declare_collective_group
+
+
+def destroy_collective_group(group_name: str = "default") -> None:
+    """Destroy a group: inside a member, leave it; from the driver, remove its store.
+
+    In a member this closes the group's connections. The group's store actor is
+    removed once every member that joined has left, or at once when this is called
+    outside an actor. Destroying a group that does not exist does nothing.
+    """
+    checks.check_group_name(group_name)
+    entry = _manager.remove(group_name)
+    if entry is not None:
+        group, store = entry
+        group.destroy_group()
+        rendezvous.leave_store(store, group.rank)
+        return
+    ray = _ray()
+    if not ray.is_initialized():
+        return
+    store = rendezvous.find_store(group_name)
+    if store is None:
+        return
+    if not _in_ray_worker() or ray.get_runtime_context().get_actor_id() is None:
+        rendezvous.kill_store(store)
+        return
+    found = _declared_rank(group_name)
+    if found is not None:
+        rendezvous.leave_store(store, found[1])
+
+
+def is_group_initialized(group_name: str = "default") -> bool:
+    """Return whether this process has built the group ``group_name``."""
+    return _manager.get(checks.check_group_name(group_name)) is not None
+
+
+def get_rank(group_name: str = "default") -> int:
+    """Return this process's rank in ``group_name``, or -1 if it is not a member.
+
+    A group declared from the driver answers before it is built.
+    """
+    group = _manager.get(checks.check_group_name(group_name))
+    if group is not None:
+        return group.rank
+    found = _declared_rank(group_name)
+    return found[1] if found else -1
+
+
+def get_collective_group_size(group_name: str = "default") -> int:
+    """Return the world size of ``group_name``, or -1 if this process is not a member.
+
+    A group declared from the driver answers before it is built.
+    """
+    group = _manager.get(checks.check_group_name(group_name))
+    if group is not None:
+        return group.world_size
+    found = _declared_rank(group_name)
+    return found[0].world_size if found else -1
+
+
+def is_backend_available(backend: Backend | str) -> bool:
+    """Return whether groups of ``backend`` can be created in this process."""
+    cls = _BACKENDS.get(Backend.parse(backend))
+    return cls is not None and cls.check_backend_availability()
+
+
+def gloo_available() -> bool:
+    """Return whether the gloo backend can be used here."""
+    return is_backend_available(Backend.GLOO)
+
+
+def nccl_available() -> bool:
+    """Return whether the nccl backend can be used here."""
+    return is_backend_available(Backend.NCCL)

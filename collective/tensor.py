@@ -1,0 +1,148 @@
+"""Recognise numpy arrays, torch tensors and cupy arrays; the only module that knows them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+DTYPES = frozenset(
+    {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
+)
+"""Every dtype name any backend may accept; each backend narrows this set."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a collective needs to know about a buffer to check it against others."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    @property
+    def numel(self) -> int:
+        """Return the number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def describe(self) -> str:
+        """Return a short human-readable form, e.g. ``float32[4, 2] on cpu``."""
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{self.dtype}[{dims}] on {self.device}"
+
+
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy" and hasattr(x, "__cuda_array_interface__")
+
+
+def spec(x: Any, name: str) -> TensorSpec:
+    """Describe ``x``, or reject it if it is no supported buffer.
+
+    Args:
+        x: a numpy array, torch tensor or cupy array.
+        name: the argument's name, used in the error message.
+
+    Raises:
+        TypeError: ``x`` is of another type, or of a dtype no backend supports.
+
+    """
+    if isinstance(x, np.ndarray):
+        kind, shape, dtype, device = "numpy", x.shape, x.dtype.name, "cpu"
+        if not x.dtype.isnative:
+            raise TypeError(f"{name} must have native byte order, got {x.dtype.str}")
+    elif isinstance(x, torch.Tensor):
+        kind, shape, device = "torch", tuple(x.shape), str(x.device)
+        dtype = str(x.dtype).removeprefix("torch.")
+    elif _is_cupy(x):
+        kind, shape, dtype = "cupy", tuple(x.shape), x.dtype.name
+        device = f"cuda:{x.device.id}"
+    else:
+        raise TypeError(
+            f"{name} must be a numpy.ndarray, torch.Tensor or cupy.ndarray, "
+            f"got {type(x).__module__}.{type(x).__qualname__}"
+        )
+    if dtype not in DTYPES:
+        raise TypeError(f"{name} has unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
+    return TensorSpec(kind, tuple(int(d) for d in shape), dtype, device)
+
+
+def memory_span(x: Any) -> tuple[int, int]:
+    """Return ``(first_byte_address, one_past_last_byte_address)`` of ``x``'s elements."""
+    if isinstance(x, torch.Tensor):
+        start, itemsize, strides = x.data_ptr(), x.element_size(), x.stride()
+        shape = tuple(x.shape)
+    else:
+        if isinstance(x, np.ndarray):
+            start = x.__array_interface__["data"][0]
+        else:
+            start = x.__cuda_array_interface__["data"][0]
+        itemsize = x.dtype.itemsize
+        strides = tuple(s // itemsize for s in x.strides)
+        shape = x.shape
+    if any(d == 0 for d in shape):
+        return start, start
+    low = sum(s * (d - 1) for s, d in zip(strides, shape, strict=True) if s < 0)
+    high = sum(s * (d - 1) for s, d in zip(strides, shape, strict=True) if s > 0)
+    return start + low * itemsize, start + (high + 1) * itemsize
+
+
+def overlaps(a: Any, b: Any) -> bool:
+    """Return whether the memory spans of ``a`` and ``b`` intersect."""
+    a_start, a_end = memory_span(a)
+    b_start, b_end = memory_span(b)
+    return a_start < b_end and b_start < a_end and a_start != a_end and b_start != b_end
+
+
+def _self_overlapping(x: Any) -> bool:
+    shape, strides = tuple(x.shape), tuple(x.stride() if isinstance(x, torch.Tensor) else x.strides)
+    return any(s == 0 and d > 1 for s, d in zip(strides, shape, strict=True))
+
+
+class CpuBuffer:
+    """A contiguous CPU torch tensor standing for a user buffer during one op.
+
+    The tensor shares memory with the user's buffer when that buffer is contiguous
+    and writable. Otherwise it is a staged copy, and ``commit`` copies the result
+    back into the user's buffer.
+    """
+
+    def __init__(self, source: Any, name: str, writable: bool) -> None:
+        """Wrap ``source`` (a CPU numpy array or torch tensor) for one op.
+
+        Raises:
+            ValueError: ``source`` must be written but is read-only or overlaps itself.
+
+        """
+        self._source = source
+        if writable and _self_overlapping(source):
+            raise ValueError(
+                f"{name} has overlapping memory (a stride of 0, as from expand or "
+                "broadcast_to); pass a contiguous copy"
+            )
+        if isinstance(source, np.ndarray):
+            if writable and not source.flags.writeable:
+                raise ValueError(f"{name} is a read-only array but the op writes into it")
+            shares = source.flags.c_contiguous and source.flags.writeable
+            array = source if shares else np.array(source, order="C", copy=True)
+            self.tensor = torch.from_numpy(array)
+        else:
+            shares = source.is_contiguous()
+            self.tensor = source if shares else source.contiguous()
+        self._staged = writable and not shares
+
+    def commit(self) -> None:
+        """Copy the result into the user's buffer if it was staged; otherwise do nothing."""
+        if not self._staged:
+            return
+        if isinstance(self._source, np.ndarray):
+            np.copyto(self._source, self.tensor.numpy())
+        else:
+            self._source.copy_(self.tensor)
+
+
+def cpu_buffer(x: Any, name: str, writable: bool) -> CpuBuffer:
+    """Return a contiguous CPU torch tensor view of ``x``; see ``CpuBuffer``."""
+    return CpuBuffer(x, name, writable)

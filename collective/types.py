@@ -1,0 +1,172 @@
+"""Enums, frozen per-call option dataclasses and the exception hierarchy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+
+DEFAULT_TIMEOUT = timedelta(seconds=30)
+"""Timeout of every rendezvous wait and every op unless the group sets another."""
+
+
+class Backend(str, Enum):
+    """A collective transport; user strings are matched case-insensitively."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Backend | None:
+        if isinstance(value, str):
+            name = value.lower()
+            if name == "torch_gloo":
+                return cls.GLOO
+            for member in cls:
+                if member.value == name:
+                    return member
+        return None
+
+    @classmethod
+    def parse(cls, value: Backend | str) -> Backend:
+        """Normalise a backend given as an enum member or a string.
+
+        Raises:
+            TypeError: ``value`` is neither a ``Backend`` nor a string.
+            ValueError: ``value`` names no known backend.
+
+        """
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"backend must be a Backend or a str, got {type(value).__name__}")
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"backend must be one of {known}, got {value!r}") from None
+
+
+class ReduceOp(Enum):
+    """An elementwise reduction, numbered as in ``ray.util.collective``."""
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+
+    @classmethod
+    def parse(cls, value: ReduceOp | str) -> ReduceOp:
+        """Normalise a reduction given as an enum member or its name.
+
+        Raises:
+            TypeError: ``value`` is neither a ``ReduceOp`` nor a string.
+            ValueError: ``value`` names no known reduction.
+
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        if isinstance(value, str):
+            known = ", ".join(cls.__members__)
+            raise ValueError(f"op must be one of {known}, got {value!r}")
+        raise TypeError(f"op must be a ReduceOp, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class AllReduceOptions:
+    """Options of one allreduce call."""
+
+    reduce_op: ReduceOp = ReduceOp.SUM
+    timeout: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class BarrierOptions:
+    """Options of one barrier call."""
+
+    timeout: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """Options of one reduce call."""
+
+    reduce_op: ReduceOp = ReduceOp.SUM
+    root_rank: int = 0
+    root_tensor: int = 0
+    timeout: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class AllGatherOptions:
+    """Options of one allgather call."""
+
+    timeout: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class BroadcastOptions:
+    """Options of one broadcast call."""
+
+    root_rank: int = 0
+    root_tensor: int = 0
+    timeout: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class ReduceScatterOptions:
+    """Options of one reducescatter call."""
+
+    reduce_op: ReduceOp = ReduceOp.SUM
+    timeout: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class SendOptions:
+    """Options of one send call."""
+
+    dst_rank: int = 0
+    dst_gpu_index: int = 0
+    n_elements: int = 0
+    timeout: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class RecvOptions:
+    """Options of one recv call."""
+
+    src_rank: int = 0
+    src_gpu_index: int = 0
+    n_elements: int = 0
+    timeout: timedelta | None = None
+
+
+class CollectiveError(RuntimeError):
+    """A collective operation or group lifecycle step failed."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A rendezvous wait or an op did not complete within its timeout."""
+
+    def __init__(
+        self, op: str, group_name: str, rank: int, timeout: timedelta, detail: str = ""
+    ) -> None:
+        self.op = op
+        self.group_name = group_name
+        self.rank = rank
+        self.timeout = timeout
+        self.detail = detail
+        message = (
+            f"{op} on group {group_name!r} timed out on rank {rank} "
+            f"after {timeout.total_seconds():g}s"
+        )
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int, timedelta, str]]:
+        return (type(self), (self.op, self.group_name, self.rank, self.timeout, self.detail))
+
+
+class GroupNotFoundError(CollectiveError):
+    """No group of that name exists in this process or in the cluster."""

@@ -1,0 +1,69 @@
+"""Shared fixtures: one Ray cluster per test module, a pool of member actors, leak checks."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import ray
+
+from collective.rendezvous import STORE_ACTOR_PREFIX
+
+RAY_TIMEOUT_S = 120
+"""Bound on every ray.get in the tests, so that a hang fails instead of stalling CI."""
+
+
+@ray.remote(num_cpus=0)
+class Member:
+    """A test actor that runs whatever function it is sent, in its own process."""
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def actor_id(self) -> str:
+        return ray.get_runtime_context().get_actor_id()
+
+
+def our_named_actors() -> list[str]:
+    """Return the names of this library's named actors, in every namespace."""
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(STORE_ACTOR_PREFIX)
+    ]
+
+
+def run_all(actors: Sequence[Any], fn: Callable[..., Any], *per_actor_args: Sequence[Any]) -> list:
+    """Run ``fn(*args_i)`` on actor i for every i, and return every result in order."""
+    refs = [a.run.remote(fn, *(args[i] for args in per_actor_args)) for i, a in enumerate(actors)]
+    return ray.get(refs, timeout=RAY_TIMEOUT_S)
+
+
+def unique_name(prefix: str = "g") -> str:
+    """Return a group name no other test uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """Start one local Ray cluster for the module and stop it afterwards."""
+    ray.init(num_cpus=2, namespace="collective-tests", include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def members(ray_cluster: None) -> list[Any]:
+    """Return four live member actors, shared by the module's tests."""
+    actors = [Member.remote() for _ in range(4)]
+    ray.get([a.actor_id.remote() for a in actors], timeout=RAY_TIMEOUT_S)
+    return actors
+
+
+@pytest.fixture
+def no_leaks(ray_cluster: None) -> Iterator[None]:
+    """Assert that a test leaves none of this library's named actors behind."""
+    yield
+    assert our_named_actors() == []

@@ -1,0 +1,24 @@
+"""The README's test command is the one CI runs, and its demo command names a real script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    readme_commands = [
+        line.strip() for line in (ROOT / "README.md").read_text().splitlines() if "venv" in line
+    ]
+    assert ci_command in readme_commands
+
+
+def test_readme_demo_command_names_an_existing_script() -> None:
+    readme = (ROOT / "README.md").read_text()
+    demo = next(line for line in readme.splitlines() if "examples/" in line and "venv" in line)
+    script = demo.split()[-1]
+    assert (ROOT / script).is_file()
+    assert "-c constraints.txt" in demo
+    assert (ROOT / "constraints.txt").read_text().split() == ["torch==2.13.0"]
