@@ -256,16 +256,21 @@ def is_group_initialized(group_name: str = "default") -> bool:
     return _manager.get(checks.check_group_name(group_name)) is not None
 
 
+def _membership(group_name: str) -> tuple[int, int]:
+    """Return ``(rank, world_size)`` of this process in ``group_name``, or ``(-1, -1)``."""
+    group = _manager.get(checks.check_group_name(group_name))
+    if group is not None:
+        return group.rank, group.world_size
+    found = _declared_rank(group_name)
+    return (found[1], found[0].world_size) if found else (-1, -1)
+
+
 def get_rank(group_name: str = "default") -> int:
     """Return this process's rank in ``group_name``, or -1 if it is not a member.
 
     A group declared from the driver answers before it is built.
     """
-    group = _manager.get(checks.check_group_name(group_name))
-    if group is not None:
-        return group.rank
-    found = _declared_rank(group_name)
-    return found[1] if found else -1
+    return _membership(group_name)[0]
 
 
 def get_collective_group_size(group_name: str = "default") -> int:
@@ -273,11 +278,7 @@ def get_collective_group_size(group_name: str = "default") -> int:
 
     A group declared from the driver answers before it is built.
     """
-    group = _manager.get(checks.check_group_name(group_name))
-    if group is not None:
-        return group.world_size
-    found = _declared_rank(group_name)
-    return found[0].world_size if found else -1
+    return _membership(group_name)[1]
 
 
 def is_backend_available(backend: Backend | str) -> bool:

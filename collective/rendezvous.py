@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from collective.types import CollectiveError, CollectiveTimeoutError
+from collective.types import CollectiveError
 
 STORE_ACTOR_PREFIX = "collective.store."
 """Named store actors are called this prefix followed by the group name."""
@@ -346,11 +346,3 @@ def missing_ranks_detail(store: RayRendezvousStore) -> str:
         return "no rank has joined"
     missing = sorted(set(range(world_size)) - set(joined))
     return f"ranks that arrived: {joined}; ranks that did not: {missing}"
-
-
-def timeout_error(
-    op: str, group_name: str, rank: int, timeout: timedelta, cause: BaseException, detail: str = ""
-) -> CollectiveTimeoutError:
-    """Build the ``CollectiveTimeoutError`` for a rendezvous that timed out."""
-    text = f"{cause}; {detail}" if detail else str(cause)
-    return CollectiveTimeoutError(op, group_name, rank, timeout, text)

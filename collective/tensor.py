@@ -23,11 +23,6 @@ class TensorSpec:
     dtype: str
     device: str
 
-    @property
-    def numel(self) -> int:
-        """Return the number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64))
-
     def describe(self) -> str:
         """Return a short human-readable form, e.g. ``float32[4, 2] on cpu``."""
         dims = ", ".join(str(d) for d in self.shape)
@@ -69,24 +64,28 @@ def spec(x: Any, name: str) -> TensorSpec:
     return TensorSpec(kind, tuple(int(d) for d in shape), dtype, device)
 
 
+def _layout(x: Any) -> tuple[int, int, list[tuple[int, int]]]:
+    """Return ``x``'s start address, item size and ``(size, byte_stride)`` per dimension."""
+    if isinstance(x, torch.Tensor):
+        start, itemsize = x.data_ptr(), x.element_size()
+        strides = [s * itemsize for s in x.stride()]
+    else:
+        interface = (
+            "__array_interface__" if isinstance(x, np.ndarray) else "__cuda_array_interface__"
+        )
+        start, itemsize = getattr(x, interface)["data"][0], x.dtype.itemsize
+        strides = list(x.strides)
+    return start, itemsize, list(zip((int(d) for d in x.shape), strides, strict=True))
+
+
 def memory_span(x: Any) -> tuple[int, int]:
     """Return ``(first_byte_address, one_past_last_byte_address)`` of ``x``'s elements."""
-    if isinstance(x, torch.Tensor):
-        start, itemsize, strides = x.data_ptr(), x.element_size(), x.stride()
-        shape = tuple(x.shape)
-    else:
-        if isinstance(x, np.ndarray):
-            start = x.__array_interface__["data"][0]
-        else:
-            start = x.__cuda_array_interface__["data"][0]
-        itemsize = x.dtype.itemsize
-        strides = tuple(s // itemsize for s in x.strides)
-        shape = x.shape
-    if any(d == 0 for d in shape):
+    start, itemsize, dims = _layout(x)
+    if any(size == 0 for size, _ in dims):
         return start, start
-    low = sum(s * (d - 1) for s, d in zip(strides, shape, strict=True) if s < 0)
-    high = sum(s * (d - 1) for s, d in zip(strides, shape, strict=True) if s > 0)
-    return start + low * itemsize, start + (high + 1) * itemsize
+    low = sum(stride * (size - 1) for size, stride in dims if stride < 0)
+    high = sum(stride * (size - 1) for size, stride in dims if stride > 0)
+    return start + low, start + high + itemsize
 
 
 def overlaps(a: Any, b: Any) -> bool:
@@ -97,8 +96,21 @@ def overlaps(a: Any, b: Any) -> bool:
 
 
 def _self_overlapping(x: Any) -> bool:
-    shape, strides = tuple(x.shape), tuple(x.stride() if isinstance(x, torch.Tensor) else x.strides)
-    return any(s == 0 and d > 1 for s, d in zip(strides, shape, strict=True))
+    """Return whether two elements of ``x`` may share memory.
+
+    Dimensions sorted by stride must each step past everything the smaller ones
+    span; a layout that does not (a stride of 0, ``as_strided`` tricks) counts as
+    overlapping, which errs on the side of refusing to write.
+    """
+    _, itemsize, dims = _layout(x)
+    if any(size == 0 for size, _ in dims):
+        return False
+    reach = itemsize
+    for size, stride in sorted((d for d in dims if d[0] > 1), key=lambda d: abs(d[1])):
+        if abs(stride) < reach:
+            return True
+        reach += abs(stride) * (size - 1)
+    return False
 
 
 class CpuBuffer:

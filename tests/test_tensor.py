@@ -1,0 +1,288 @@
+"""Unit tests of collective.tensor: specs, memory spans and overlap, CPU buffer staging."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from collective.tensor import DTYPES, CpuBuffer, TensorSpec, cpu_buffer, memory_span, overlaps, spec
+
+
+def address(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
+
+
+# --- spec -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES - {"bfloat16"}))
+def test_spec_of_numpy_arrays(dtype: str) -> None:
+    got = spec(np.zeros((2, 3, 4), dtype=dtype), "x")
+    assert got == TensorSpec("numpy", (2, 3, 4), dtype, "cpu")
+    assert got.describe() == f"{dtype}[2, 3, 4] on cpu"
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_spec_of_torch_tensors(dtype: str) -> None:
+    got = spec(torch.zeros(5, 2, dtype=getattr(torch, dtype)), "x")
+    assert got == TensorSpec("torch", (5, 2), dtype, "cpu")
+    assert all(type(d) is int for d in got.shape)
+
+
+def test_spec_of_views_and_scalars() -> None:
+    assert spec(np.zeros((4, 6), np.float32)[:, ::2], "x").shape == (4, 3)
+    assert spec(torch.zeros(3, 5).t(), "x").shape == (5, 3)
+    assert spec(np.zeros(()), "x") == TensorSpec("numpy", (), "float64", "cpu")
+    assert spec(torch.tensor(2.0), "x") == TensorSpec("torch", (), "float32", "cpu")
+    assert spec(np.zeros((0, 3), np.int8), "x").shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "value, type_name",
+    [([1.0, 2.0], "builtins.list"), (1.5, "builtins.float"), ((1,), "builtins.tuple")],
+)
+def test_spec_rejects_non_buffers_naming_the_argument(value: object, type_name: str) -> None:
+    with pytest.raises(TypeError, match=r"^my_tensor must be a numpy\.ndarray") as info:
+        spec(value, "my_tensor")
+    assert type_name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.zeros(3, np.complex64),
+        torch.zeros(3, dtype=torch.complex64),
+        np.zeros(3, np.int16),
+        torch.zeros(3, dtype=torch.float8_e4m3fn),
+        np.array(["a", "b"]),
+    ],
+    ids=["numpy-complex64", "torch-complex64", "numpy-int16", "torch-float8", "numpy-str"],
+)
+def test_spec_rejects_unsupported_dtypes(value: object) -> None:
+    with pytest.raises(TypeError, match=r"^recv_buf has unsupported dtype \w+; supported: "):
+        spec(value, "recv_buf")
+
+
+def test_spec_rejects_big_endian_arrays() -> None:
+    big = np.zeros(3, dtype=">f4")
+    with pytest.raises(TypeError, match=r"^arr must have native byte order, got >f4"):
+        spec(big, "arr")
+    native = big.astype("=f4")
+    assert spec(native, "arr").dtype == "float32"
+    assert spec(np.zeros(3, "|u1"), "arr").dtype == "uint8"  # one byte has no byte order
+
+
+def test_float16_is_supported() -> None:
+    assert spec(np.zeros(2, np.float16), "x").dtype == "float16"
+    assert spec(torch.zeros(2, dtype=torch.float16), "x").dtype == "float16"
+
+
+# --- memory_span and overlaps ---------------------------------------------------------------
+
+
+def test_memory_span_of_contiguous_buffers() -> None:
+    a = np.zeros((3, 4), np.float64)
+    assert memory_span(a) == (address(a), address(a) + a.nbytes)
+    t = torch.zeros(3, 4, dtype=torch.int16)
+    assert memory_span(t) == (t.data_ptr(), t.data_ptr() + 24)
+    assert memory_span(t[1:]) == (t.data_ptr() + 8, t.data_ptr() + 24)
+
+
+def test_memory_span_of_strided_views() -> None:
+    a = np.zeros((3, 4), np.float32)
+    # a[:, ::2] touches elements 0 .. 2 * 4 + 2 = 10, so 11 elements from the start.
+    assert memory_span(a[:, ::2]) == (address(a), address(a) + 11 * 4)
+    assert memory_span(a.T) == memory_span(a)
+    t = torch.zeros(3, 4, dtype=torch.float64)
+    assert memory_span(t.t()) == memory_span(t)
+    assert memory_span(t[:, 1]) == (t.data_ptr() + 8, t.data_ptr() + 8 + (2 * 4 + 1) * 8)
+
+
+def test_memory_span_of_negative_strides() -> None:
+    a = np.arange(10, dtype=np.int32)
+    assert memory_span(a[::-1]) == memory_span(a)
+    assert memory_span(a[8:2:-2]) == (address(a) + 4 * 4, address(a) + 9 * 4)
+    grid = np.zeros((4, 5), np.float64)
+    assert memory_span(grid[::-1, ::-1]) == memory_span(grid)
+
+
+def test_memory_span_of_zero_size_buffers_is_empty() -> None:
+    a = np.zeros((0, 5), np.float32)
+    start, end = memory_span(a)
+    assert start == end
+    t = torch.zeros(4, 0)
+    assert memory_span(t)[0] == memory_span(t)[1]
+
+
+def test_overlaps_same_and_disjoint() -> None:
+    a = np.arange(10.0)
+    assert overlaps(a, a)
+    assert not overlaps(a[:5], a[5:])
+    assert not overlaps(a[5:], a[:5])
+    assert overlaps(a[:6], a[4:])
+    assert overlaps(a[2:3], a)
+    assert not overlaps(a, np.arange(10.0))
+    t = torch.arange(10.0)
+    assert overlaps(t, t.view(2, 5))
+    assert not overlaps(t[:5], t[5:])
+    assert overlaps(t[:6], t[5:])
+
+
+def test_overlaps_with_negative_strides() -> None:
+    a = np.arange(10.0)
+    assert overlaps(a[::-1], a)
+    assert overlaps(a[4::-1], a[4:])  # both hold element 4
+    assert not overlaps(a[4::-1], a[5:])
+    assert not overlaps(a[:5][::-1], a[5:][::-1])
+
+
+def test_overlaps_is_conservative_for_interleaved_views() -> None:
+    # The spans of the even and odd columns intersect, though no element is shared.
+    t = torch.zeros(3, 4)
+    assert overlaps(t[:, ::2], t[:, 1::2])
+
+
+def test_zero_size_buffers_never_overlap() -> None:
+    a = np.arange(10.0)
+    empty = a[3:3]
+    assert not overlaps(empty, a)
+    assert not overlaps(a, empty)
+    assert not overlaps(empty, empty)
+    t = torch.zeros(4)
+    assert not overlaps(t[2:2], t)
+
+
+def test_overlaps_with_strides_that_are_no_multiple_of_the_item_size() -> None:
+    records = np.zeros(4, dtype=[("a", "<i4"), ("b", "i1")])  # itemsize 5
+    field = records["a"]  # int32 with a 5-byte stride: last element in bytes 15..18
+    assert field.strides == (5,)
+    tail = np.ndarray(buffer=records, dtype=np.int32, offset=16, shape=(1,))  # bytes 16..19
+    assert memory_span(field)[1] - address(field) == 19
+    assert overlaps(field, tail)
+
+
+# --- CpuBuffer ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_contiguous_numpy_array_is_shared(writable: bool) -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    buf = cpu_buffer(a, "x", writable)
+    assert isinstance(buf, CpuBuffer)
+    assert buf.tensor.data_ptr() == address(a)
+    assert buf.tensor.is_contiguous() and buf.tensor.dtype == torch.float32
+    buf.tensor.fill_(7.0)
+    assert a.tolist() == [[7.0] * 3] * 2
+    a[0, 0] = 1.0  # commit is a no-op: it does not copy anything back over this
+    buf.commit()
+    assert a[0, 0] == 1.0 and buf.tensor[0, 0] == 1.0
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_contiguous_torch_tensor_is_used_as_is(writable: bool) -> None:
+    t = torch.arange(6, dtype=torch.int64)
+    buf = cpu_buffer(t, "x", writable)
+    assert buf.tensor is t
+    buf.commit()
+    assert t.tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES - {"bfloat16"}))
+def test_numpy_dtypes_map_to_torch(dtype: str) -> None:
+    buf = cpu_buffer(np.ones(3, dtype=dtype), "x", writable=True)
+    assert str(buf.tensor.dtype) == f"torch.{dtype}"
+
+
+def test_strided_numpy_view_is_staged_and_committed() -> None:
+    base = np.arange(12, dtype=np.int64).reshape(3, 4)
+    view = base[:, ::2]
+    buf = cpu_buffer(view, "x", writable=True)
+    assert buf.tensor.is_contiguous()
+    assert buf.tensor.tolist() == view.tolist()
+    buf.tensor.mul_(-1)
+    assert base[0, 2] == 2, "the staged copy must not write through before commit"
+    buf.commit()
+    expected = np.arange(12).reshape(3, 4)
+    expected[:, ::2] *= -1
+    assert base.tolist() == expected.tolist()
+
+
+def test_reversed_and_fortran_numpy_arrays_are_staged() -> None:
+    a = np.arange(5.0)
+    view = a[::-1]
+    buf = cpu_buffer(view, "x", writable=True)
+    assert buf.tensor.tolist() == [4.0, 3.0, 2.0, 1.0, 0.0]
+    buf.tensor.add_(10)
+    buf.commit()
+    assert a.tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+
+    f = np.asfortranarray(np.arange(6.0).reshape(2, 3))
+    buf = cpu_buffer(f, "x", writable=True)
+    assert buf.tensor.data_ptr() != address(f)
+    assert buf.tensor.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    buf.tensor.fill_(1.0)
+    buf.commit()
+    assert f.tolist() == [[1.0] * 3] * 2
+
+
+def test_transposed_torch_tensor_is_staged_and_committed() -> None:
+    base = torch.arange(6.0).reshape(2, 3)
+    view = base.t()
+    buf = cpu_buffer(view, "x", writable=True)
+    assert buf.tensor.is_contiguous()
+    assert buf.tensor.data_ptr() != base.data_ptr()
+    buf.tensor.fill_(-1.0)
+    assert base[0, 0] == 0.0
+    buf.commit()
+    assert base.tolist() == [[-1.0] * 3] * 2
+
+
+def test_read_only_staging_never_writes_back() -> None:
+    base = np.arange(8.0)
+    buf = cpu_buffer(base[::2], "x", writable=False)
+    buf.tensor.fill_(99.0)
+    buf.commit()
+    assert base.tolist() == list(np.arange(8.0))
+
+    t = torch.arange(6.0).reshape(2, 3)
+    buf = cpu_buffer(t.t(), "x", writable=False)
+    buf.tensor.fill_(99.0)
+    buf.commit()
+    assert t.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_read_only_numpy_array() -> None:
+    a = np.arange(4.0)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match=r"^out is a read-only array"):
+        cpu_buffer(a, "out", writable=True)
+    buf = cpu_buffer(a, "inp", writable=False)
+    assert buf.tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert buf.tensor.data_ptr() != address(a)  # a copy: torch may not alias read-only memory
+    buf.commit()
+
+
+def test_self_overlapping_outputs_raise() -> None:
+    expanded = torch.ones(1).expand(4)
+    with pytest.raises(ValueError, match=r"^out has overlapping memory"):
+        cpu_buffer(expanded, "out", writable=True)
+    with pytest.raises(ValueError, match=r"overlapping memory"):
+        cpu_buffer(torch.zeros(3, 1).expand(3, 2), "out", writable=True)
+    broadcast = np.broadcast_to(np.arange(3.0), (2, 3))
+    with pytest.raises(ValueError, match=r"overlapping memory"):
+        cpu_buffer(broadcast, "out", writable=True)
+    assert cpu_buffer(torch.ones(1).expand(1), "out", writable=True).tensor.tolist() == [1.0]
+
+
+def test_self_overlapping_inputs_are_copied() -> None:
+    buf = cpu_buffer(torch.full((1,), 3.0).expand(4), "inp", writable=False)
+    assert buf.tensor.tolist() == [3.0] * 4 and buf.tensor.stride() == (1,)
+    buf = cpu_buffer(np.broadcast_to(np.arange(3.0), (2, 3)), "inp", writable=False)
+    assert buf.tensor.tolist() == [[0.0, 1.0, 2.0]] * 2 and buf.tensor.is_contiguous()
+
+
+def test_outputs_overlapping_through_positive_strides_raise() -> None:
+    windows = torch.arange(6.0).as_strided((3, 3), (1, 1))  # rows [0,1,2], [1,2,3], [2,3,4]
+    with pytest.raises(ValueError, match="overlapping memory"):
+        cpu_buffer(windows, "out", writable=True)
