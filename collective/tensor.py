@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
@@ -29,6 +29,16 @@ class TensorSpec:
         return f"{self.dtype}[{dims}] on {self.device}"
 
 
+def _is_torch(x: Any) -> bool:
+    """Return whether ``x`` is a torch tensor, without importing torch for the answer.
+
+    A buffer can only be a torch tensor once torch is loaded, so processes that never
+    touch torch (a group's store actor) never pay for importing it.
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy" and hasattr(x, "__cuda_array_interface__")
 
@@ -48,7 +58,7 @@ def spec(x: Any, name: str) -> TensorSpec:
         kind, shape, dtype, device = "numpy", x.shape, x.dtype.name, "cpu"
         if not x.dtype.isnative:
             raise TypeError(f"{name} must have native byte order, got {x.dtype.str}")
-    elif isinstance(x, torch.Tensor):
+    elif _is_torch(x):
         kind, shape, device = "torch", tuple(x.shape), str(x.device)
         dtype = str(x.dtype).removeprefix("torch.")
     elif _is_cupy(x):
@@ -66,7 +76,7 @@ def spec(x: Any, name: str) -> TensorSpec:
 
 def _layout(x: Any) -> tuple[int, int, list[tuple[int, int]]]:
     """Return ``x``'s start address, item size and ``(size, byte_stride)`` per dimension."""
-    if isinstance(x, torch.Tensor):
+    if _is_torch(x):
         start, itemsize = x.data_ptr(), x.element_size()
         strides = [s * itemsize for s in x.stride()]
     else:
@@ -139,6 +149,8 @@ class CpuBuffer:
                 raise ValueError(f"{name} is a read-only array but the op writes into it")
             shares = source.flags.c_contiguous and source.flags.writeable
             array = source if shares else np.array(source, order="C", copy=True)
+            import torch
+
             self.tensor = torch.from_numpy(array)
         else:
             shares = source.is_contiguous()
