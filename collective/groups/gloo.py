@@ -47,10 +47,14 @@ def _dist() -> Any:
     return dist
 
 
-def _options(kind: str, timeout: timedelta, **fields: Any) -> Any:
-    """Build torch's ``<kind>Options`` for one gloo call with ``timeout`` and ``fields``."""
+def _options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
+    """Build torch's ``<kind>Options`` for one gloo call with ``timeout`` and ``fields``.
+
+    With ``timeout`` None the call keeps gloo's default: the group's timeout.
+    """
     options = getattr(_dist().distributed_c10d, f"{kind}Options")()
-    options.timeout = timeout
+    if timeout is not None:
+        options.timeout = timeout
     for name, value in fields.items():
         setattr(options, name, value)
     return options
@@ -151,13 +155,14 @@ class GlooGroup(BaseGroup):
         self,
         op: str,
         timeout: timedelta | None,
-        start: Callable[[timedelta], Any],
+        start: Callable[[timedelta | None], Any],
         p2p: bool = False,
     ) -> None:
         """Start one gloo op with ``start(timeout)`` and wait for it to finish.
 
-        Collectives carry their timeout in gloo's options and end by themselves;
-        point-to-point ops take it in ``wait``. Any failure leaves the group unusable.
+        Collectives carry a per-call timeout in gloo's options (None keeps the
+        group's) and end by themselves; point-to-point ops take it in ``wait``.
+        Any failure leaves the group unusable.
         """
         if self._error is not None:
             raise CollectiveError(
@@ -166,15 +171,15 @@ class GlooGroup(BaseGroup):
             )
         if self._pg is None:
             raise CollectiveError(f"group {self.group_name!r} has been destroyed")
-        timeout = timeout or self.timeout
+        effective = timeout or self.timeout
         try:
             work = start(timeout)
             if p2p:
-                work.wait(timeout)
+                work.wait(effective)
             else:
                 work.wait()
         except RuntimeError as exc:
-            self._error = self._failure(op, timeout, exc)
+            self._error = self._failure(op, effective, exc)
             raise self._error from exc
 
     @staticmethod
