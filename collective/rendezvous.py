@@ -115,12 +115,13 @@ class StoreActor:
         """Record that ``rank`` has arrived.
 
         Returns:
-            ``("ok", incarnation)``, ``("retired", "")`` when this store has been
-            closed and a new one must be made, or ``("error", message)``.
+            ``("ok", incarnation)``; ``("retired", holders)`` when this store is
+            closed or closing and a new one must be made once it is gone, with
+            the ranks that still hold it; or ``("error", message)``.
 
         """
         if self._closed:
-            return "retired", ""
+            return "retired", "[]"
         declared = self._declaration
         if declared is not None and declared.ranks.get(actor_id, rank) != rank:
             return "error", (
@@ -136,7 +137,7 @@ class StoreActor:
                 f"the group has world_size={members.world_size}, backend={members.backend!r}"
             )
         if rank in members.left:
-            return "retired", ""
+            return "retired", str(sorted(set(members.joined) - members.left))
         holder = members.joined.get(rank)
         if holder is not None and holder != actor_id:
             return "error", f"rank {rank} was already taken by another actor"
@@ -308,15 +309,21 @@ def join_store(
             raise TimeoutError(f"the old store of group {group_name!r} was not removed in time")
         try:
             status, detail = store.call("join", rank, world_size, backend, actor_id)
-            if status == "ok":
-                return store, detail
-            if status == "error":
-                raise ValueError(detail)
-            store.call("wait_until_killed", timeout_s=remaining)
-        except ValueError as exc:
-            raise CollectiveError(f"cannot join group {group_name!r}: {exc}") from None
         except CollectiveError:
             continue
+        if status == "ok":
+            return store, detail
+        if status == "error":
+            raise CollectiveError(f"cannot join group {group_name!r}: {detail}")
+        try:
+            store.call("wait_until_killed", timeout_s=remaining)
+        except CollectiveError:
+            continue
+        except TimeoutError:
+            raise TimeoutError(
+                f"an earlier group named {group_name!r} is still held by ranks {detail}, "
+                "which have not called destroy_collective_group on it"
+            ) from None
 
 
 def leave_store(store: RayRendezvousStore, rank: int) -> None:

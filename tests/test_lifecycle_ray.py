@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 import pytest
 import ray
@@ -195,3 +197,25 @@ def test_world_size_one_group(members: list) -> None:
         return x.tolist()
 
     assert run_all(members[:1], solo) == [[1.5, 2.5]]
+
+
+def test_recreate_while_an_old_member_still_holds_the_group_names_that_member(
+    members: list,
+) -> None:
+    name = unique_name("held")
+    pair = members[:2]
+    run_all(pair, _init, [2, 2], [0, 1], [name, name])
+
+    def destroy_then_init_again() -> tuple[str, str]:
+        col.destroy_collective_group(name)
+        try:
+            col.init_collective_group(2, 1, "gloo", name, timeout=timedelta(seconds=3))
+        except col.CollectiveError as exc:
+            return type(exc).__name__, str(exc)
+        return "no error", ""
+
+    kind, message = ray.get(pair[1].run.remote(destroy_then_init_again), timeout=RAY_TIMEOUT_S)
+    assert kind == "CollectiveTimeoutError"
+    assert "still held by ranks [0]" in message
+    assert "destroy_collective_group" in message
+    assert ray.get(pair[0].run.remote(_destroy, name), timeout=RAY_TIMEOUT_S) == [False]
