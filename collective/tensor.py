@@ -139,23 +139,26 @@ class CpuBuffer:
 
         """
         self._source = source
-        if writable and _self_overlapping(source):
+        is_numpy = isinstance(source, np.ndarray)
+        if is_numpy:
+            shares = source.flags.c_contiguous and source.flags.writeable
+        else:
+            shares = source.is_contiguous()
+        self._staged = writable and not shares
+        if self._staged and _self_overlapping(source):
             raise ValueError(
                 f"{name} has overlapping memory (a stride of 0, as from expand or "
                 "broadcast_to); pass a contiguous copy"
             )
-        if isinstance(source, np.ndarray):
+        if is_numpy:
             if writable and not source.flags.writeable:
                 raise ValueError(f"{name} is a read-only array but the op writes into it")
-            shares = source.flags.c_contiguous and source.flags.writeable
-            array = source if shares else np.array(source, order="C", copy=True)
             import torch
 
+            array = source if shares else np.array(source, order="C", copy=True)
             self.tensor = torch.from_numpy(array)
         else:
-            shares = source.is_contiguous()
             self.tensor = source if shares else source.contiguous()
-        self._staged = writable and not shares
 
     def commit(self) -> None:
         """Copy the result into the user's buffer if it was staged; otherwise do nothing."""
@@ -165,8 +168,3 @@ class CpuBuffer:
             np.copyto(self._source, self.tensor.numpy())
         else:
             self._source.copy_(self.tensor)
-
-
-def cpu_buffer(x: Any, name: str, writable: bool) -> CpuBuffer:
-    """Return a contiguous CPU torch tensor view of ``x``; see ``CpuBuffer``."""
-    return CpuBuffer(x, name, writable)

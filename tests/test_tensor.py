@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective.tensor import DTYPES, CpuBuffer, TensorSpec, cpu_buffer, memory_span, overlaps, spec
+from collective.tensor import DTYPES, CpuBuffer, TensorSpec, memory_span, overlaps, spec
 
 
 def address(x: np.ndarray) -> int:
@@ -168,7 +168,7 @@ def test_overlaps_with_strides_that_are_no_multiple_of_the_item_size() -> None:
 @pytest.mark.parametrize("writable", [True, False])
 def test_contiguous_numpy_array_is_shared(writable: bool) -> None:
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
-    buf = cpu_buffer(a, "x", writable)
+    buf = CpuBuffer(a, "x", writable)
     assert isinstance(buf, CpuBuffer)
     assert buf.tensor.data_ptr() == address(a)
     assert buf.tensor.is_contiguous() and buf.tensor.dtype == torch.float32
@@ -182,7 +182,7 @@ def test_contiguous_numpy_array_is_shared(writable: bool) -> None:
 @pytest.mark.parametrize("writable", [True, False])
 def test_contiguous_torch_tensor_is_used_as_is(writable: bool) -> None:
     t = torch.arange(6, dtype=torch.int64)
-    buf = cpu_buffer(t, "x", writable)
+    buf = CpuBuffer(t, "x", writable)
     assert buf.tensor is t
     buf.commit()
     assert t.tolist() == list(range(6))
@@ -190,14 +190,14 @@ def test_contiguous_torch_tensor_is_used_as_is(writable: bool) -> None:
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES - {"bfloat16"}))
 def test_numpy_dtypes_map_to_torch(dtype: str) -> None:
-    buf = cpu_buffer(np.ones(3, dtype=dtype), "x", writable=True)
+    buf = CpuBuffer(np.ones(3, dtype=dtype), "x", writable=True)
     assert str(buf.tensor.dtype) == f"torch.{dtype}"
 
 
 def test_strided_numpy_view_is_staged_and_committed() -> None:
     base = np.arange(12, dtype=np.int64).reshape(3, 4)
     view = base[:, ::2]
-    buf = cpu_buffer(view, "x", writable=True)
+    buf = CpuBuffer(view, "x", writable=True)
     assert buf.tensor.is_contiguous()
     assert buf.tensor.tolist() == view.tolist()
     buf.tensor.mul_(-1)
@@ -211,14 +211,14 @@ def test_strided_numpy_view_is_staged_and_committed() -> None:
 def test_reversed_and_fortran_numpy_arrays_are_staged() -> None:
     a = np.arange(5.0)
     view = a[::-1]
-    buf = cpu_buffer(view, "x", writable=True)
+    buf = CpuBuffer(view, "x", writable=True)
     assert buf.tensor.tolist() == [4.0, 3.0, 2.0, 1.0, 0.0]
     buf.tensor.add_(10)
     buf.commit()
     assert a.tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
 
     f = np.asfortranarray(np.arange(6.0).reshape(2, 3))
-    buf = cpu_buffer(f, "x", writable=True)
+    buf = CpuBuffer(f, "x", writable=True)
     assert buf.tensor.data_ptr() != address(f)
     assert buf.tensor.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     buf.tensor.fill_(1.0)
@@ -229,7 +229,7 @@ def test_reversed_and_fortran_numpy_arrays_are_staged() -> None:
 def test_transposed_torch_tensor_is_staged_and_committed() -> None:
     base = torch.arange(6.0).reshape(2, 3)
     view = base.t()
-    buf = cpu_buffer(view, "x", writable=True)
+    buf = CpuBuffer(view, "x", writable=True)
     assert buf.tensor.is_contiguous()
     assert buf.tensor.data_ptr() != base.data_ptr()
     buf.tensor.fill_(-1.0)
@@ -240,13 +240,13 @@ def test_transposed_torch_tensor_is_staged_and_committed() -> None:
 
 def test_read_only_staging_never_writes_back() -> None:
     base = np.arange(8.0)
-    buf = cpu_buffer(base[::2], "x", writable=False)
+    buf = CpuBuffer(base[::2], "x", writable=False)
     buf.tensor.fill_(99.0)
     buf.commit()
     assert base.tolist() == list(np.arange(8.0))
 
     t = torch.arange(6.0).reshape(2, 3)
-    buf = cpu_buffer(t.t(), "x", writable=False)
+    buf = CpuBuffer(t.t(), "x", writable=False)
     buf.tensor.fill_(99.0)
     buf.commit()
     assert t.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
@@ -256,8 +256,8 @@ def test_read_only_numpy_array() -> None:
     a = np.arange(4.0)
     a.flags.writeable = False
     with pytest.raises(ValueError, match=r"^out is a read-only array"):
-        cpu_buffer(a, "out", writable=True)
-    buf = cpu_buffer(a, "inp", writable=False)
+        CpuBuffer(a, "out", writable=True)
+    buf = CpuBuffer(a, "inp", writable=False)
     assert buf.tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert buf.tensor.data_ptr() != address(a)  # a copy: torch may not alias read-only memory
     buf.commit()
@@ -266,23 +266,23 @@ def test_read_only_numpy_array() -> None:
 def test_self_overlapping_outputs_raise() -> None:
     expanded = torch.ones(1).expand(4)
     with pytest.raises(ValueError, match=r"^out has overlapping memory"):
-        cpu_buffer(expanded, "out", writable=True)
+        CpuBuffer(expanded, "out", writable=True)
     with pytest.raises(ValueError, match=r"overlapping memory"):
-        cpu_buffer(torch.zeros(3, 1).expand(3, 2), "out", writable=True)
+        CpuBuffer(torch.zeros(3, 1).expand(3, 2), "out", writable=True)
     broadcast = np.broadcast_to(np.arange(3.0), (2, 3))
     with pytest.raises(ValueError, match=r"overlapping memory"):
-        cpu_buffer(broadcast, "out", writable=True)
-    assert cpu_buffer(torch.ones(1).expand(1), "out", writable=True).tensor.tolist() == [1.0]
+        CpuBuffer(broadcast, "out", writable=True)
+    assert CpuBuffer(torch.ones(1).expand(1), "out", writable=True).tensor.tolist() == [1.0]
 
 
 def test_self_overlapping_inputs_are_copied() -> None:
-    buf = cpu_buffer(torch.full((1,), 3.0).expand(4), "inp", writable=False)
+    buf = CpuBuffer(torch.full((1,), 3.0).expand(4), "inp", writable=False)
     assert buf.tensor.tolist() == [3.0] * 4 and buf.tensor.stride() == (1,)
-    buf = cpu_buffer(np.broadcast_to(np.arange(3.0), (2, 3)), "inp", writable=False)
+    buf = CpuBuffer(np.broadcast_to(np.arange(3.0), (2, 3)), "inp", writable=False)
     assert buf.tensor.tolist() == [[0.0, 1.0, 2.0]] * 2 and buf.tensor.is_contiguous()
 
 
 def test_outputs_overlapping_through_positive_strides_raise() -> None:
     windows = torch.arange(6.0).as_strided((3, 3), (1, 1))  # rows [0,1,2], [1,2,3], [2,3,4]
     with pytest.raises(ValueError, match="overlapping memory"):
-        cpu_buffer(windows, "out", writable=True)
+        CpuBuffer(windows, "out", writable=True)

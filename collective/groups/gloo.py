@@ -9,7 +9,7 @@ from typing import Any
 
 from collective.groups.base import BaseGroup
 from collective.rendezvous import RendezvousStore
-from collective.tensor import DTYPES, CpuBuffer, cpu_buffer
+from collective.tensor import DTYPES, CpuBuffer
 from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,
@@ -186,7 +186,7 @@ class GlooGroup(BaseGroup):
     def _one(tensors: Sequence[Any], name: str, writable: bool) -> CpuBuffer:
         if len(tensors) != 1:
             raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
-        return cpu_buffer(tensors[0], name, writable)
+        return CpuBuffer(tensors[0], name, writable)
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> None:
         """Sum (or reduce by ``options.reduce_op``) into every rank's tensor, in place."""
@@ -243,7 +243,7 @@ class GlooGroup(BaseGroup):
                 f"the gloo backend takes one tensor_list per rank, got {len(tensor_lists)}"
             )
         outputs = [
-            cpu_buffer(t, f"tensor_list[{i}]", writable=True) for i, t in enumerate(tensor_lists[0])
+            CpuBuffer(t, f"tensor_list[{i}]", writable=True) for i, t in enumerate(tensor_lists[0])
         ]
         out = [[o.tensor for o in outputs]]
         self._run(
@@ -270,8 +270,7 @@ class GlooGroup(BaseGroup):
                 f"the gloo backend takes one tensor_list per rank, got {len(tensor_lists)}"
             )
         inputs = [
-            cpu_buffer(t, f"tensor_list[{i}]", writable=False)
-            for i, t in enumerate(tensor_lists[0])
+            CpuBuffer(t, f"tensor_list[{i}]", writable=False) for i, t in enumerate(tensor_lists[0])
         ]
         op, chunks = _reduce_op(options.reduce_op), [[i.tensor for i in inputs]]
         self._run(
