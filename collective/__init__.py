@@ -31,6 +31,7 @@ from collective.types import (
     GroupNotFoundError,
     ReduceOp,
 )
+from collective.work import Work
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "GroupNotFoundError",
     "ReduceOp",
+    "Work",
     "allgather",
     "allreduce",
     "barrier",

@@ -48,12 +48,20 @@ class Backend(str, Enum):
 
 
 class ReduceOp(Enum):
-    """An elementwise reduction, numbered as in ``ray.util.collective``."""
+    """An elementwise reduction; the first four are numbered as in ``ray.util.collective``.
+
+    ``AVG`` takes floating-point tensors only. ``BAND``, ``BOR`` and ``BXOR`` take
+    integer and bool tensors only.
+    """
 
     SUM = 0
     PRODUCT = 1
     MIN = 2
     MAX = 3
+    AVG = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
 
     @classmethod
     def parse(cls, value: ReduceOp | str) -> ReduceOp:
@@ -80,6 +88,7 @@ class AllReduceOptions:
 
     reduce_op: ReduceOp = ReduceOp.SUM
     timeout: timedelta | None = None
+    async_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class BarrierOptions:
     """Options of one barrier call."""
 
     timeout: timedelta | None = None
+    async_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,7 @@ class ReduceOptions:
     root_rank: int = 0
     root_tensor: int = 0
     timeout: timedelta | None = None
+    async_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class AllGatherOptions:
     """Options of one allgather call."""
 
     timeout: timedelta | None = None
+    async_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class BroadcastOptions:
     root_rank: int = 0
     root_tensor: int = 0
     timeout: timedelta | None = None
+    async_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,7 @@ class ReduceScatterOptions:
 
     reduce_op: ReduceOp = ReduceOp.SUM
     timeout: timedelta | None = None
+    async_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,7 @@ class SendOptions:
     dst_gpu_index: int = 0
     n_elements: int = 0
     timeout: timedelta | None = None
+    async_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,33 @@ class RecvOptions:
     src_gpu_index: int = 0
     n_elements: int = 0
     timeout: timedelta | None = None
+    async_op: bool = False
+
+
+@dataclass(frozen=True)
+class GatherOptions:
+    """Options of one gather call."""
+
+    root_rank: int = 0
+    timeout: timedelta | None = None
+    async_op: bool = False
+
+
+@dataclass(frozen=True)
+class ScatterOptions:
+    """Options of one scatter call."""
+
+    root_rank: int = 0
+    timeout: timedelta | None = None
+    async_op: bool = False
+
+
+@dataclass(frozen=True)
+class AllToAllOptions:
+    """Options of one alltoall call."""
+
+    timeout: timedelta | None = None
+    async_op: bool = False
 
 
 class CollectiveError(RuntimeError):

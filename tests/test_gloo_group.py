@@ -41,6 +41,8 @@ JOIN_TIMEOUT_S = 60.0
 WORLD_SIZES = [1, 2, 4]
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
 SHAPE = (4, 4)
+CLASSIC_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
+"""The reductions every dtype takes; AVG and the bitwise ops have tests of their own."""
 
 
 # --- running ranks as threads ---------------------------------------------------------------
@@ -210,7 +212,7 @@ def _kinds(dtype: str) -> list[str]:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_allreduce_every_dtype_and_op(world_size: int) -> None:
-    cases = [(k, d, op) for d in DTYPES for k in _kinds(d) for op in ReduceOp]
+    cases = [(k, d, op) for d in DTYPES for k in _kinds(d) for op in CLASSIC_OPS]
 
     def fn(group: GlooGroup, rank: int) -> dict[tuple[str, str, ReduceOp], tuple[Any, ...]]:
         out = {}
@@ -238,7 +240,7 @@ def test_bool_allreduce_is_logical_or_and_and() -> None:
 
     def fn(group: GlooGroup, rank: int) -> dict[ReduceOp, list[bool]]:
         out = {}
-        for op in ReduceOp:
+        for op in CLASSIC_OPS:
             x = torch.tensor(a if rank == 0 else b)
             group.allreduce([x], AllReduceOptions(op))
             out[op] = x.tolist()
@@ -259,7 +261,10 @@ ROOTED_KINDS = [("numpy", "float32"), ("torch", "int64"), ("torch", "bfloat16")]
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_reduce_writes_only_the_root(world_size: int) -> None:
     cases = [
-        (root, k, d, op) for root in range(world_size) for k, d in ROOTED_KINDS for op in ReduceOp
+        (root, k, d, op)
+        for root in range(world_size)
+        for k, d in ROOTED_KINDS
+        for op in CLASSIC_OPS
     ]
 
     def fn(group: GlooGroup, rank: int) -> dict[tuple[Any, ...], tuple[np.ndarray, bytes, bytes]]:
@@ -335,7 +340,9 @@ def test_allgather_into_lists(world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_reducescatter_gives_each_rank_its_chunk(world_size: int) -> None:
-    cases = [(k, d, op) for k, d in [("numpy", "float32"), ("torch", "int32")] for op in ReduceOp]
+    cases = [
+        (k, d, op) for k, d in [("numpy", "float32"), ("torch", "int32")] for op in CLASSIC_OPS
+    ]
 
     def chunk(rank: int, i: int, dtype: str) -> np.ndarray:
         return values(rank, dtype, offset=3 * i)

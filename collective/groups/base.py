@@ -12,14 +12,18 @@ from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,
     AllReduceOptions,
+    AllToAllOptions,
     Backend,
     BarrierOptions,
     BroadcastOptions,
+    GatherOptions,
     RecvOptions,
     ReduceOptions,
     ReduceScatterOptions,
+    ScatterOptions,
     SendOptions,
 )
+from collective.work import Work
 
 
 class BaseGroup(ABC):
@@ -28,6 +32,15 @@ class BaseGroup(ABC):
     Ops take lists of tensors, one per device the rank drives (a single element
     except in the ``*_multigpu`` calls), and write their results in place.
     Arguments reach a group already checked; a group only moves data.
+
+    Every op returns a ``Work``. With ``options.async_op`` False the op has
+    finished, and its outputs are written, when it returns; with True it may
+    still be running, and the caller must ``wait`` on the handle before touching
+    the buffers.
+
+    A backend class is built as ``cls(world_size, rank, group_name, store, timeout,
+    host)``, with ``store`` a ``RendezvousStore`` through which its ranks meet and
+    ``host`` the address this rank's transport binds to.
     """
 
     device_type: ClassVar[str] = "cpu"
@@ -94,19 +107,19 @@ class BaseGroup(ABC):
             )
 
     @abstractmethod
-    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> None:
+    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce ``tensors`` across ranks; every rank's buffers receive the result."""
 
     @abstractmethod
-    def barrier(self, options: BarrierOptions) -> None:
+    def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier."""
 
     @abstractmethod
-    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> None:
+    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce ``tensors`` onto the root; only the root's buffer is written."""
 
     @abstractmethod
-    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> None:
+    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's buffer into every other rank's buffer."""
 
     @abstractmethod
@@ -115,7 +128,7 @@ class BaseGroup(ABC):
         tensor_lists: Sequence[Sequence[Any]],
         tensors: Sequence[Any],
         options: AllGatherOptions,
-    ) -> None:
+    ) -> Work:
         """Gather every rank's tensor into each rank's list; the lists are written."""
 
     @abstractmethod
@@ -124,16 +137,52 @@ class BaseGroup(ABC):
         tensors: Sequence[Any],
         tensor_lists: Sequence[Sequence[Any]],
         options: ReduceScatterOptions,
-    ) -> None:
+    ) -> Work:
         """Reduce the lists elementwise; rank i's ``tensors`` receive the i-th result."""
 
     @abstractmethod
-    def send(self, tensors: Sequence[Any], options: SendOptions) -> None:
+    def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Send ``tensors`` to ``options.dst_rank``."""
 
     @abstractmethod
-    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> None:
+    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
         """Receive into ``tensors`` from ``options.src_rank``."""
+
+    @abstractmethod
+    def gather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: GatherOptions,
+    ) -> Work:
+        """Gather every rank's tensor into the root's list; only the root's list is written.
+
+        ``tensor_lists`` holds one list of world-size buffers on the root and one
+        empty list on every other rank.
+        """
+
+    @abstractmethod
+    def scatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ScatterOptions,
+    ) -> Work:
+        """Copy element i of the root's list into rank i's tensor; the list is only read.
+
+        ``tensor_lists`` holds one list of world-size buffers on the root and one
+        empty list on every other rank.
+        """
+
+    @abstractmethod
+    def alltoall(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
+    ) -> Work:
+        """Send ``inputs[j]`` to rank j; ``outputs[j]`` receives what rank j sent here.
+
+        Both lists hold world-size buffers of one dtype. Their sizes may differ per
+        peer: ``outputs[j]`` on rank i matches ``inputs[i]`` on rank j.
+        """
 
     @abstractmethod
     def destroy_group(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -14,17 +15,21 @@ from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,
     AllReduceOptions,
+    AllToAllOptions,
     Backend,
     BarrierOptions,
     BroadcastOptions,
     CollectiveError,
     CollectiveTimeoutError,
+    GatherOptions,
     RecvOptions,
     ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
+    ScatterOptions,
     SendOptions,
 )
+from collective.work import Work
 
 ADDRESS_KEY = "gloo/address"
 """Store key under which rank 0 publishes its TCPStore's ``host:port``."""
@@ -62,6 +67,11 @@ def _options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
 
 def _reduce_op(op: ReduceOp) -> Any:
     return getattr(_dist().ReduceOp, op.name)
+
+
+def _commit_all(buffers: Sequence[CpuBuffer]) -> None:
+    for buffer in buffers:
+        buffer.commit()
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -144,6 +154,11 @@ class GlooGroup(BaseGroup):
         """Return the failure that made this group unusable, or None if it is healthy."""
         return self._error
 
+    def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
+        """Mark the group unusable after ``exc`` and return the error to raise."""
+        self._error = self._failure(op, timeout, exc)
+        return self._error
+
     def _failure(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         if _is_timeout(exc):
             return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, str(exc))
@@ -154,14 +169,16 @@ class GlooGroup(BaseGroup):
     def _run(
         self,
         op: str,
-        timeout: timedelta | None,
+        options: Any,
         start: Callable[[timedelta | None], Any],
+        finish: Callable[[], None] = lambda: None,
         p2p: bool = False,
-    ) -> None:
-        """Start one gloo op with ``start(timeout)`` and wait for it to finish.
+    ) -> Work:
+        """Start one gloo op with ``start(timeout)``; wait for it unless it is async.
 
         Collectives carry a per-call timeout in gloo's options (None keeps the
         group's) and end by themselves; point-to-point ops take it in ``wait``.
+        ``finish`` runs once the op has succeeded, to write staged outputs back.
         Any failure leaves the group unusable.
         """
         if self._error is not None:
@@ -171,16 +188,15 @@ class GlooGroup(BaseGroup):
             )
         if self._pg is None:
             raise CollectiveError(f"group {self.group_name!r} has been destroyed")
-        effective = timeout or self.timeout
+        timeout = options.timeout or self.timeout
         try:
-            work = start(timeout)
-            if p2p:
-                work.wait(effective)
-            else:
-                work.wait()
+            torch_work = start(options.timeout)
         except RuntimeError as exc:
-            self._error = self._failure(op, effective, exc)
-            raise self._error from exc
+            raise self._fail(op, timeout, exc) from exc
+        work = _GlooWork(self, op, torch_work, timeout, finish, p2p)
+        if not options.async_op:
+            work.wait()
+        return work
 
     @staticmethod
     def _one(tensors: Sequence[Any], name: str, writable: bool) -> CpuBuffer:
@@ -188,22 +204,28 @@ class GlooGroup(BaseGroup):
             raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
         return CpuBuffer(tensors[0], name, writable)
 
-    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> None:
-        """Sum (or reduce by ``options.reduce_op``) into every rank's tensor, in place."""
+    @staticmethod
+    def _list(tensor_lists: Sequence[Sequence[Any]], name: str, writable: bool) -> list[CpuBuffer]:
+        if len(tensor_lists) != 1:
+            raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensor_lists)}")
+        return [CpuBuffer(t, f"{name}[{i}]", writable) for i, t in enumerate(tensor_lists[0])]
+
+    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
+        """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""
         buf = self._one(tensors, "tensor", writable=True)
         op = _reduce_op(options.reduce_op)
-        self._run(
+        return self._run(
             "allreduce",
-            options.timeout,
+            options,
             lambda t: self._pg.allreduce([buf.tensor], _options("Allreduce", t, reduceOp=op)),
+            buf.commit,
         )
-        buf.commit()
 
-    def barrier(self, options: BarrierOptions) -> None:
+    def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier."""
-        self._run("barrier", options.timeout, lambda t: self._pg.barrier(_options("Barrier", t)))
+        return self._run("barrier", options, lambda t: self._pg.barrier(_options("Barrier", t)))
 
-    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> None:
+    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged.
 
         Gloo uses every rank's buffer as scratch, so non-root ranks reduce from a copy.
@@ -212,98 +234,198 @@ class GlooGroup(BaseGroup):
         buf = self._one(tensors, "tensor", writable=is_root)
         tensor = buf.tensor if is_root else buf.tensor.clone()
         op, root = _reduce_op(options.reduce_op), options.root_rank
-        self._run(
+        return self._run(
             "reduce",
-            options.timeout,
+            options,
             lambda t: self._pg.reduce([tensor], _options("Reduce", t, reduceOp=op, rootRank=root)),
+            buf.commit,
         )
-        buf.commit()
 
-    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> None:
+    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensor, in place."""
         buf = self._one(tensors, "tensor", writable=self.rank != options.root_rank)
         root = options.root_rank
-        self._run(
+        return self._run(
             "broadcast",
-            options.timeout,
+            options,
             lambda t: self._pg.broadcast([buf.tensor], _options("Broadcast", t, rootRank=root)),
+            buf.commit,
         )
-        buf.commit()
 
     def allgather(
         self,
         tensor_lists: Sequence[Sequence[Any]],
         tensors: Sequence[Any],
         options: AllGatherOptions,
-    ) -> None:
+    ) -> Work:
         """Write rank i's tensor into element i of every rank's list."""
         source = self._one(tensors, "tensor", writable=False)
-        if len(tensor_lists) != 1:
-            raise ValueError(
-                f"the gloo backend takes one tensor_list per rank, got {len(tensor_lists)}"
-            )
-        outputs = [
-            CpuBuffer(t, f"tensor_list[{i}]", writable=True) for i, t in enumerate(tensor_lists[0])
-        ]
+        outputs = self._list(tensor_lists, "tensor_list", writable=True)
         out = [[o.tensor for o in outputs]]
-        self._run(
+        return self._run(
             "allgather",
-            options.timeout,
+            options,
             lambda t: self._pg.allgather(out, [source.tensor], _options("Allgather", t)),
+            lambda: _commit_all(outputs),
         )
-        for output in outputs:
-            output.commit()
 
     def reducescatter(
         self,
         tensors: Sequence[Any],
         tensor_lists: Sequence[Sequence[Any]],
         options: ReduceScatterOptions,
-    ) -> None:
+    ) -> Work:
         """Reduce element i of every rank's list into rank i's tensor; inputs stay unchanged.
 
         This is gloo's native reduce_scatter, not one allreduce per chunk.
         """
         output = self._one(tensors, "tensor", writable=True)
-        if len(tensor_lists) != 1:
-            raise ValueError(
-                f"the gloo backend takes one tensor_list per rank, got {len(tensor_lists)}"
-            )
-        inputs = [
-            CpuBuffer(t, f"tensor_list[{i}]", writable=False) for i, t in enumerate(tensor_lists[0])
-        ]
+        inputs = self._list(tensor_lists, "tensor_list", writable=False)
         op, chunks = _reduce_op(options.reduce_op), [[i.tensor for i in inputs]]
-        self._run(
+        return self._run(
             "reducescatter",
-            options.timeout,
+            options,
             lambda t: self._pg.reduce_scatter(
                 [output.tensor], chunks, _options("ReduceScatter", t, reduceOp=op)
             ),
+            output.commit,
         )
-        output.commit()
 
-    def send(self, tensors: Sequence[Any], options: SendOptions) -> None:
-        """Send the tensor to ``options.dst_rank``; returns once it has been sent."""
+    def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
+        """Send the tensor to ``options.dst_rank``; completes once it has been sent."""
         buf = self._one(tensors, "tensor", writable=False)
-        self._run(
+        return self._run(
             "send",
-            options.timeout,
+            options,
             lambda _: self._pg.send([buf.tensor], options.dst_rank, _P2P_TAG),
             p2p=True,
         )
 
-    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> None:
+    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
         """Receive from ``options.src_rank`` into the tensor, in place."""
         buf = self._one(tensors, "tensor", writable=True)
-        self._run(
+        return self._run(
             "recv",
-            options.timeout,
+            options,
             lambda _: self._pg.recv([buf.tensor], options.src_rank, _P2P_TAG),
+            buf.commit,
             p2p=True,
         )
-        buf.commit()
+
+    def gather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: GatherOptions,
+    ) -> Work:
+        """Write rank i's tensor into element i of the root's list; gloo's native gather."""
+        source = self._one(tensors, "tensor", writable=False)
+        outputs = self._list(tensor_lists, "gather_list", writable=True)
+        out = [[o.tensor for o in outputs]] if outputs else []
+        root = options.root_rank
+        return self._run(
+            "gather",
+            options,
+            lambda t: self._pg.gather(out, [source.tensor], _options("Gather", t, rootRank=root)),
+            lambda: _commit_all(outputs),
+        )
+
+    def scatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ScatterOptions,
+    ) -> Work:
+        """Write element i of the root's list into rank i's tensor; gloo's native scatter."""
+        output = self._one(tensors, "tensor", writable=True)
+        inputs = self._list(tensor_lists, "scatter_list", writable=False)
+        chunks = [[i.tensor for i in inputs]] if inputs else []
+        root = options.root_rank
+        return self._run(
+            "scatter",
+            options,
+            lambda t: self._pg.scatter(
+                [output.tensor], chunks, _options("Scatter", t, rootRank=root)
+            ),
+            output.commit,
+        )
+
+    def alltoall(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
+    ) -> Work:
+        """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j; gloo's native alltoall."""
+        outs = [CpuBuffer(t, f"output_tensor_list[{i}]", True) for i, t in enumerate(outputs)]
+        ins = [CpuBuffer(t, f"input_tensor_list[{i}]", False) for i, t in enumerate(inputs)]
+        out, sent = [o.tensor for o in outs], [i.tensor for i in ins]
+        return self._run(
+            "alltoall",
+            options,
+            lambda t: self._pg.alltoall(out, sent, _options("AllToAll", t)),
+            lambda: _commit_all(outs),
+        )
 
     def destroy_group(self) -> None:
         """Drop the process group and the TCPStore; their threads and sockets close."""
         self._pg = None
         self._tcp_store = None
+
+
+class _GlooWork(Work):
+    """A gloo op in flight; ``wait`` writes staged outputs back once it has succeeded."""
+
+    def __init__(
+        self,
+        group: GlooGroup,
+        op: str,
+        torch_work: Any,
+        timeout: timedelta,
+        finish: Callable[[], None],
+        p2p: bool,
+    ) -> None:
+        self._group = group
+        self._op = op
+        self._torch_work = torch_work
+        self._timeout = timeout
+        self._finish = finish
+        self._p2p = p2p
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: CollectiveError | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Block until the op has finished and its outputs are written."""
+        with self._lock:
+            if not self._done:
+                self._complete(timeout)
+        if self._error is not None:
+            raise self._error
+
+    def _complete(self, timeout: timedelta | None) -> None:
+        effective = timeout or self._timeout
+        try:
+            if self._p2p or timeout is not None:
+                self._torch_work.wait(effective)
+            else:
+                self._torch_work.wait()
+        except RuntimeError as exc:
+            self._error = self._group._fail(self._op, effective, exc)
+        else:
+            self._finish()
+        self._done = True
+        self._torch_work = None
+        self._finish = lambda: None
+
+    def is_completed(self) -> bool:
+        """Return whether the op has finished, successfully or not."""
+        with self._lock:
+            return self._done or self._torch_work.is_completed()
+
+    def exception(self) -> BaseException | None:
+        """Return the op's failure once it has finished with one, else None."""
+        if not self.is_completed():
+            return None
+        try:
+            self.wait()
+        except CollectiveError as exc:
+            return exc
+        return None
