@@ -10,6 +10,10 @@ DEFAULT_TIMEOUT = timedelta(seconds=30)
 """Timeout of every rendezvous wait and every op unless the group sets another."""
 
 
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+"""The floating-point dtype names; the only ones ``ReduceOp.AVG`` takes."""
+
+
 class Backend(str, Enum):
     """A collective transport; user strings are matched case-insensitively."""
 
@@ -62,6 +66,14 @@ class ReduceOp(Enum):
     BAND = 5
     BOR = 6
     BXOR = 7
+
+    def accepts(self, dtype: str) -> bool:
+        """Return whether this reduction is defined on tensors of ``dtype`` (a dtype name)."""
+        if self is ReduceOp.AVG:
+            return dtype in FLOAT_DTYPES
+        if self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+            return dtype not in FLOAT_DTYPES
+        return True
 
     @classmethod
     def parse(cls, value: ReduceOp | str) -> ReduceOp:
