@@ -1,4 +1,4 @@
-"""Collective communication for Ray actors over Gloo, a drop-in for ``ray.util.collective``."""
+"""Collective communication for Ray actors, a drop-in for ``ray.util.collective``."""
 
 from collective.api import (
     allgather,
@@ -10,20 +10,26 @@ from collective.api import (
     reducescatter,
     send,
 )
+from collective.exchange import alltoall, alltoall_single, gather, scatter
 from collective.groups.base import BaseGroup
 from collective.lifecycle import (
     create_collective_group,
     declare_collective_group,
+    destroy_all_collective_groups,
     destroy_collective_group,
     get_collective_group_size,
+    get_collective_groups,
     get_group_handle,
     get_rank,
     gloo_available,
     init_collective_group,
     is_backend_available,
     is_group_initialized,
+    list_collective_groups,
     nccl_available,
+    register_collective_backend,
 )
+from collective.subgroups import new_group
 from collective.types import (
     Backend,
     CollectiveError,
@@ -45,21 +51,30 @@ __all__ = [
     "Work",
     "allgather",
     "allreduce",
+    "alltoall",
+    "alltoall_single",
     "barrier",
     "broadcast",
     "create_collective_group",
     "declare_collective_group",
+    "destroy_all_collective_groups",
     "destroy_collective_group",
+    "gather",
     "get_collective_group_size",
+    "get_collective_groups",
     "get_group_handle",
     "get_rank",
     "gloo_available",
     "init_collective_group",
     "is_backend_available",
     "is_group_initialized",
+    "list_collective_groups",
     "nccl_available",
+    "new_group",
     "recv",
     "reduce",
     "reducescatter",
+    "register_collective_backend",
+    "scatter",
     "send",
 ]

@@ -2,7 +2,9 @@
 
 Every op writes its result into the caller's buffers in place and returns None,
 as in ``ray.util.collective``. Every op also takes a keyword-only ``timeout``
-(a ``timedelta``) that overrides the group's default for this call.
+(a ``timedelta``) that overrides the group's default for this call, and
+``async_op``: with True the op returns a ``Work`` at once, and its buffers must
+not be touched until ``Work.wait`` has returned.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collective.types import (
     ReduceScatterOptions,
     SendOptions,
 )
+from collective.work import Work, issued
 
 
 def allreduce(
@@ -31,26 +34,32 @@ def allreduce(
     op: ReduceOp = ReduceOp.SUM,
     *,
     timeout: timedelta | None = None,
-) -> None:
+    async_op: bool = False,
+) -> Work | None:
     """Reduce ``tensor`` across the group; every rank's ``tensor`` is overwritten with the result.
 
     Args:
         tensor: a numpy array or torch tensor; written in place on every rank.
         group_name: the group.
-        op: the reduction.
+        op: the reduction; AVG takes floating-point tensors, BAND/BOR/BXOR integer and bool.
         timeout: overrides the group's timeout for this call.
+        async_op: return a ``Work`` at once instead of waiting.
 
     """
     group = get_group_handle(group_name)
-    checks.check_tensor(group, tensor, "tensor")
-    options = AllReduceOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
-    group.allreduce([tensor], options)
+    spec = checks.check_tensor(group, tensor, "tensor")
+    op = checks.check_reduce_op(group, op, spec, "tensor")
+    options = AllReduceOptions(op, *checks.check_call(timeout, async_op))
+    return issued(group.allreduce([tensor], options), async_op)
 
 
-def barrier(group_name: str = "default", *, timeout: timedelta | None = None) -> None:
+def barrier(
+    group_name: str = "default", *, timeout: timedelta | None = None, async_op: bool = False
+) -> Work | None:
     """Block until every rank of the group has called ``barrier``."""
     group = get_group_handle(group_name)
-    group.barrier(BarrierOptions(checks.check_timeout(timeout)))
+    options = BarrierOptions(*checks.check_call(timeout, async_op))
+    return issued(group.barrier(options), async_op)
 
 
 def reduce(
@@ -60,17 +69,19 @@ def reduce(
     op: ReduceOp = ReduceOp.SUM,
     *,
     timeout: timedelta | None = None,
-) -> None:
+    async_op: bool = False,
+) -> Work | None:
     """Reduce ``tensor`` across the group onto ``dst_rank``.
 
     Only ``dst_rank``'s ``tensor`` is written, with the result; every other rank's
     ``tensor`` is left exactly as it was.
     """
     group = get_group_handle(group_name)
-    checks.check_tensor(group, tensor, "tensor")
+    spec = checks.check_tensor(group, tensor, "tensor")
     checks.check_rank(dst_rank, group.world_size, "dst_rank")
-    options = ReduceOptions(ReduceOp.parse(op), dst_rank, 0, checks.check_timeout(timeout))
-    group.reduce([tensor], options)
+    op = checks.check_reduce_op(group, op, spec, "tensor")
+    options = ReduceOptions(op, dst_rank, 0, *checks.check_call(timeout, async_op))
+    return issued(group.reduce([tensor], options), async_op)
 
 
 def broadcast(
@@ -79,7 +90,8 @@ def broadcast(
     group_name: str = "default",
     *,
     timeout: timedelta | None = None,
-) -> None:
+    async_op: bool = False,
+) -> Work | None:
     """Copy ``src_rank``'s ``tensor`` into every other rank's ``tensor``, in place.
 
     The tensors must agree in shape and dtype across ranks; ``src_rank``'s is only read.
@@ -87,64 +99,79 @@ def broadcast(
     group = get_group_handle(group_name)
     checks.check_tensor(group, tensor, "tensor")
     checks.check_rank(src_rank, group.world_size, "src_rank")
-    group.broadcast([tensor], BroadcastOptions(src_rank, 0, checks.check_timeout(timeout)))
+    options = BroadcastOptions(src_rank, 0, *checks.check_call(timeout, async_op))
+    return issued(group.broadcast([tensor], options), async_op)
 
 
 def allgather(
-    tensor_list: list[Any],
+    tensor_list: list[Any] | Any,
     tensor: Any,
     group_name: str = "default",
     *,
     timeout: timedelta | None = None,
-) -> None:
+    async_op: bool = False,
+) -> Work | None:
     """Gather every rank's ``tensor``: ``tensor_list[i]`` receives rank i's, on every rank.
 
     Args:
-        tensor_list: world-size buffers of ``tensor``'s shape and dtype; written in place.
+        tensor_list: world-size buffers of ``tensor``'s shape and dtype, or one
+            contiguous buffer of world size x ``tensor``'s elements whose i-th chunk
+            receives rank i's; written in place.
         tensor: this rank's contribution; only read.
         group_name: the group.
         timeout: overrides the group's timeout for this call.
+        async_op: return a ``Work`` at once instead of waiting.
 
     """
     group = get_group_handle(group_name)
     spec = checks.check_tensor(group, tensor, "tensor")
-    outputs = checks.check_tensor_list(group, tensor_list, "tensor_list", spec, group.world_size)
+    outputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
     checks.check_disjoint([(f"tensor_list[{i}]", t) for i, t in enumerate(outputs)])
-    group.allgather([outputs], [tensor], AllGatherOptions(checks.check_timeout(timeout)))
+    options = AllGatherOptions(*checks.check_call(timeout, async_op))
+    return issued(group.allgather([outputs], [tensor], options), async_op)
 
 
 def reducescatter(
     tensor: Any,
-    tensor_list: list[Any],
+    tensor_list: list[Any] | Any,
     group_name: str = "default",
     op: ReduceOp = ReduceOp.SUM,
     *,
     timeout: timedelta | None = None,
-) -> None:
+    async_op: bool = False,
+) -> Work | None:
     """Reduce ``tensor_list`` elementwise across ranks; rank i's ``tensor`` receives chunk i.
 
     Args:
         tensor: this rank's result buffer; written in place.
-        tensor_list: world-size buffers of ``tensor``'s shape and dtype; only read,
+        tensor_list: world-size buffers of ``tensor``'s shape and dtype, or one
+            contiguous buffer of world size x ``tensor``'s elements; only read,
             never modified (unlike ``ray.util.collective``).
         group_name: the group.
-        op: the reduction.
+        op: the reduction; AVG takes floating-point tensors, BAND/BOR/BXOR integer and bool.
         timeout: overrides the group's timeout for this call.
+        async_op: return a ``Work`` at once instead of waiting.
 
     """
     group = get_group_handle(group_name)
     spec = checks.check_tensor(group, tensor, "tensor")
-    inputs = checks.check_tensor_list(group, tensor_list, "tensor_list", spec, group.world_size)
+    inputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
     checks.check_disjoint(
         [("tensor", tensor)], [(f"tensor_list[{i}]", t) for i, t in enumerate(inputs)]
     )
-    options = ReduceScatterOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
-    group.reducescatter([tensor], [inputs], options)
+    op = checks.check_reduce_op(group, op, spec, "tensor")
+    options = ReduceScatterOptions(op, *checks.check_call(timeout, async_op))
+    return issued(group.reducescatter([tensor], [inputs], options), async_op)
 
 
 def send(
-    tensor: Any, dst_rank: int, group_name: str = "default", *, timeout: timedelta | None = None
-) -> None:
+    tensor: Any,
+    dst_rank: int,
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Send ``tensor`` to ``dst_rank`` of the group; returns once the peer has it.
 
     Ranks are the group's own ranks. Each send is matched by one ``recv`` on the peer.
@@ -152,14 +179,21 @@ def send(
     group = get_group_handle(group_name)
     checks.check_tensor(group, tensor, "tensor")
     checks.check_peer(dst_rank, group, "dst_rank")
-    group.send([tensor], SendOptions(dst_rank, 0, 0, checks.check_timeout(timeout)))
+    options = SendOptions(dst_rank, 0, 0, *checks.check_call(timeout, async_op))
+    return issued(group.send([tensor], options), async_op)
 
 
 def recv(
-    tensor: Any, src_rank: int, group_name: str = "default", *, timeout: timedelta | None = None
-) -> None:
+    tensor: Any,
+    src_rank: int,
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Receive into ``tensor``, in place, what ``src_rank`` of the group sends."""
     group = get_group_handle(group_name)
     checks.check_tensor(group, tensor, "tensor")
     checks.check_peer(src_rank, group, "src_rank")
-    group.recv([tensor], RecvOptions(src_rank, 0, 0, checks.check_timeout(timeout)))
+    options = RecvOptions(src_rank, 0, 0, *checks.check_call(timeout, async_op))
+    return issued(group.recv([tensor], options), async_op)

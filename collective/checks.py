@@ -6,9 +6,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from collective import tensor
 from collective.groups.base import BaseGroup
 from collective.tensor import TensorSpec
+from collective.types import ReduceOp
 
 
 def check_int(value: Any, name: str) -> int:
@@ -112,3 +115,78 @@ def check_disjoint(
         for other_name, other in list(outputs[:i]) + list(others):
             if tensor.overlaps(x, other):
                 raise ValueError(f"{name} and {other_name} share memory; pass distinct buffers")
+
+
+def check_call(timeout: Any, async_op: Any) -> tuple[timedelta | None, bool]:
+    """Return the per-call ``(timeout, async_op)`` every op's options end with, checked."""
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
+    return check_timeout(timeout), async_op
+
+
+def check_reduce_op(group: BaseGroup, op: Any, spec: TensorSpec, name: str) -> ReduceOp:
+    """Return ``op`` as a ``ReduceOp`` if ``group`` can apply it to ``spec``'s dtype."""
+    reduce_op = ReduceOp.parse(op)
+    group.check_reduce_op(reduce_op, spec, name)
+    return reduce_op
+
+
+def check_outputs(group: BaseGroup, xs: Any, name: str, like: TensorSpec, length: int) -> list[Any]:
+    """Return ``xs`` as ``length`` buffers like ``like``: a list, or views of one flat buffer.
+
+    A single contiguous buffer of ``length`` times ``like``'s element count and of
+    its dtype stands for the list of its consecutive chunks; writing a chunk writes it.
+    """
+    if not tensor.is_buffer(xs):
+        return check_tensor_list(group, xs, name, like, length)
+    spec = check_tensor(group, xs, name)
+    count = int(np.prod(like.shape, dtype=np.int64)) * length
+    if spec.dtype != like.dtype or int(np.prod(spec.shape, dtype=np.int64)) != count:
+        raise ValueError(
+            f"{name} must be a list of {length} tensors or one tensor of {count} "
+            f"{like.dtype} elements (world size x tensor), got {spec.describe()}"
+        )
+    if not tensor.is_contiguous(xs):
+        raise ValueError(f"{name} must be contiguous when passed as one flat tensor")
+    return tensor.chunks(xs, length, like.shape)
+
+
+def check_rooted_list(
+    group: BaseGroup, xs: Any, name: str, like: TensorSpec, root: int, root_name: str
+) -> list[Any]:
+    """Return the list a rooted op needs: ``xs`` on the root, nothing on other ranks.
+
+    Raises:
+        ValueError: ``xs`` is missing on the root or given on another rank.
+
+    """
+    if group.rank != root:
+        if xs is not None:
+            raise ValueError(
+                f"{name} must be None on ranks other than {root_name} ({root}), "
+                f"got {type(xs).__name__} on rank {group.rank}"
+            )
+        return []
+    if xs is None:
+        raise ValueError(f"{name} is required on {root_name} ({root}), got None")
+    return check_outputs(group, xs, name, like, group.world_size)
+
+
+def check_split_sizes(sizes: Any, rows: int, world_size: int, name: str) -> list[int]:
+    """Return ``sizes``, or an even split of ``rows`` when None, as world-size row counts."""
+    if sizes is None:
+        if rows % world_size:
+            raise ValueError(
+                f"{name} is None, so dim 0 ({rows}) must divide by the world size ({world_size})"
+            )
+        return [rows // world_size] * world_size
+    if not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"{name} must be a list of ints, got {type(sizes).__name__}")
+    if len(sizes) != world_size:
+        raise ValueError(f"{name} must hold {world_size} sizes (the world size), got {len(sizes)}")
+    for i, size in enumerate(sizes):
+        if check_int(size, f"{name}[{i}]") < 0:
+            raise ValueError(f"{name}[{i}] must be non-negative, got {size}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{name} must sum to dim 0 of its tensor ({rows}), got {sum(sizes)}")
+    return list(sizes)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, rendezvous
+from collective import checks, registry, rendezvous
 from collective.groups.base import BaseGroup
-from collective.groups.gloo import GlooGroup
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
 from collective.types import (
@@ -16,14 +16,6 @@ from collective.types import (
     CollectiveTimeoutError,
     GroupNotFoundError,
 )
-
-_BACKENDS: dict[Backend, type[BaseGroup]] = {Backend.GLOO: GlooGroup}
-_MISSING = {
-    Backend.NCCL: (
-        "the nccl backend is not available in this release of collective; "
-        "use backend='gloo' for CPU tensors"
-    ),
-}
 
 _manager = GroupManager()
 
@@ -41,18 +33,14 @@ def _in_ray_worker() -> bool:
     return ray.is_initialized() and ray._private.worker.global_worker.mode == ray.WORKER_MODE
 
 
+def node_ip() -> str:
+    """Return the address this node's transports bind to: the Ray node IP."""
+    return _ray().util.get_node_ip_address()
+
+
 def _require_ray_worker(function: str) -> None:
     if not _in_ray_worker():
         raise CollectiveError(f"{function} must be called inside a Ray actor or task")
-
-
-def _group_class(backend: Backend) -> type[BaseGroup]:
-    cls = _BACKENDS.get(backend)
-    if cls is None:
-        raise CollectiveError(_MISSING[backend])
-    if not cls.check_backend_availability():
-        raise CollectiveError(f"the {backend.value} backend's dependencies are not installed")
-    return cls
 
 
 def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
@@ -64,17 +52,16 @@ def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
 
 
 def _join_and_build(
-    group_name: str, rank: int, world_size: int, backend: Backend, timeout: timedelta
+    group_name: str, rank: int, world_size: int, backend: str, timeout: timedelta
 ) -> tuple[BaseGroup, RayRendezvousStore]:
     """Meet the other ranks through the group's store actor and connect to them."""
-    cls = _group_class(backend)
+    cls = registry.group_class(backend)
     try:
-        store, _ = rendezvous.join_store(group_name, rank, world_size, backend.value, timeout)
+        store, _ = rendezvous.join_store(group_name, rank, world_size, backend, timeout)
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
-    host = _ray().util.get_node_ip_address()
     try:
-        group = cls(world_size, rank, group_name, store, timeout, host)
+        group = cls(world_size, rank, group_name, store, timeout, node_ip())
     except CollectiveTimeoutError as exc:
         detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
         rendezvous.leave_store(store, rank)
@@ -83,6 +70,16 @@ def _join_and_build(
         rendezvous.leave_store(store, rank)
         raise
     return group, store
+
+
+def create_group(group_name: str, build: Callable[[], tuple[BaseGroup, Any]]) -> None:
+    """Build and register group ``group_name`` in this process with ``build``.
+
+    Raises:
+        CollectiveError: a group of that name exists here or is being built.
+
+    """
+    _manager.create(group_name, build)
 
 
 def _declared_rank(group_name: str) -> tuple[Declaration, int] | None:
@@ -107,8 +104,9 @@ def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | N
     if found is None:
         return None
     declaration, rank = found
-    backend = Backend(declaration.backend)
-    return _join_and_build(group_name, rank, declaration.world_size, backend, declaration.timeout)
+    return _join_and_build(
+        group_name, rank, declaration.world_size, declaration.backend, declaration.timeout
+    )
 
 
 def get_group_handle(group_name: str = "default") -> BaseGroup:
@@ -118,14 +116,25 @@ def get_group_handle(group_name: str = "default") -> BaseGroup:
         GroupNotFoundError: no such group exists for this process.
 
     """
+    return group_entry(group_name)[0]
+
+
+def group_entry(group_name: str) -> tuple[BaseGroup, Any]:
+    """Return this process's group ``group_name`` and its rendezvous store.
+
+    Raises:
+        GroupNotFoundError: no such group exists for this process.
+
+    """
     checks.check_group_name(group_name)
-    group = _manager.get_or_build(group_name, lambda: _build_declared(group_name))
-    if group is None:
+    _manager.get_or_build(group_name, lambda: _build_declared(group_name))
+    entry = _manager.entry(group_name)
+    if entry is None:
         raise GroupNotFoundError(
             f"group {group_name!r} is not initialized in this process and was not declared "
             "with this actor as a member"
         )
-    return group
+    return entry
 
 
 def init_collective_group(
@@ -142,7 +151,8 @@ def init_collective_group(
     Args:
         world_size: the number of ranks in the group.
         rank: this actor's rank, in ``[0, world_size)``.
-        backend: ``"gloo"`` or ``"nccl"`` (any case), or a ``Backend``.
+        backend: ``"gloo"`` or ``"nccl"`` (any case), a ``Backend``, or the name of a
+            backend registered with ``register_collective_backend``.
         group_name: the group's name, unique among live groups of the job.
         gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
@@ -156,11 +166,11 @@ def init_collective_group(
     checks.check_group_name(group_name)
     world_size = checks.check_world_size(world_size)
     checks.check_rank(rank, world_size)
-    backend = Backend.parse(backend)
+    backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
-    _group_class(backend)
+    registry.group_class(backend)
     _require_ray_worker("init_collective_group")
-    _manager.create(
+    create_group(
         group_name, lambda: _join_and_build(group_name, rank, world_size, backend, group_timeout)
     )
 
@@ -184,7 +194,8 @@ def declare_collective_group(
         actors: the member actors' handles.
         world_size: the number of ranks; equal to ``len(actors)``.
         ranks: ``ranks[i]`` is the rank of ``actors[i]``; a permutation of the ranks.
-        backend: ``"gloo"`` or ``"nccl"`` (any case), or a ``Backend``.
+        backend: ``"gloo"`` or ``"nccl"`` (any case), a ``Backend``, or the name of a
+            backend registered with ``register_collective_backend``.
         group_name: the group's name, unique among live groups of the job.
         gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
@@ -210,13 +221,13 @@ def declare_collective_group(
         ids.append(actor._ray_actor_id.hex())
     if len(set(ids)) != len(ids):
         raise ValueError("actors must be distinct; the same actor appears twice")
-    backend = Backend.parse(backend)
-    group_timeout = _resolve_timeout(gloo_timeout, timeout)
-    _group_class(backend)
     if not ray.is_initialized():
         raise CollectiveError("declare_collective_group needs ray.init() first")
+    backend = registry.backend_name(backend)
+    group_timeout = _resolve_timeout(gloo_timeout, timeout)
+    registry.group_class(backend)
     membership = dict(zip(ids, ranks, strict=True))
-    declaration = Declaration(world_size, backend.value, membership, group_timeout)
+    declaration = Declaration(world_size, backend, membership, group_timeout)
     rendezvous.declare_store(group_name, declaration)
 
 
@@ -235,7 +246,8 @@ def destroy_collective_group(group_name: str = "default") -> None:
     if entry is not None:
         group, store = entry
         group.destroy_group()
-        rendezvous.leave_store(store, group.rank)
+        if isinstance(store, RayRendezvousStore):
+            rendezvous.leave_store(store, group.rank)
         return
     ray = _ray()
     if not ray.is_initialized():
@@ -283,8 +295,7 @@ def get_collective_group_size(group_name: str = "default") -> int:
 
 def is_backend_available(backend: Backend | str) -> bool:
     """Return whether groups of ``backend`` can be created in this process."""
-    cls = _BACKENDS.get(Backend.parse(backend))
-    return cls is not None and cls.check_backend_availability()
+    return registry.is_available(registry.backend_name(backend))
 
 
 def gloo_available() -> bool:
@@ -295,3 +306,72 @@ def gloo_available() -> bool:
 def nccl_available() -> bool:
     """Return whether the nccl backend can be used here."""
     return is_backend_available(Backend.NCCL)
+
+
+def destroy_all_collective_groups() -> None:
+    """Destroy every group this process holds; from the driver, also remove every group's store.
+
+    Inside an actor this leaves each of its groups, as ``destroy_collective_group``
+    does. In the driver it also removes the store of every group of this job's
+    namespace, so that none is left behind.
+    """
+    for name in _manager.names():
+        destroy_collective_group(name)
+    ray = _ray()
+    if ray.is_initialized() and not _in_ray_worker():
+        for name in rendezvous.list_stores():
+            destroy_collective_group(name)
+
+
+def list_collective_groups() -> list[str]:
+    """Return the names of the live groups of this job, in every process.
+
+    A group is listed while its store exists: from its creation or declaration until
+    it is destroyed. Subgroups made by ``new_group`` have no store and are not listed.
+    """
+    return rendezvous.list_stores() if _ray().is_initialized() else []
+
+
+def get_collective_groups(
+    actors: list[Any] | None = None, backend: Backend | str | None = None
+) -> list[str]:
+    """Return the names of groups: this process's, or those that contain every one of ``actors``.
+
+    Args:
+        actors: None for the groups this process holds (inside an actor); or actor
+            handles, for the live groups of the job whose members include them all.
+        backend: keep only groups of this backend.
+
+    """
+    wanted = None if backend is None else registry.backend_name(backend)
+    if actors is None:
+        groups = ((name, _manager.get(name)) for name in _manager.names())
+        return [n for n, g in groups if g is not None and wanted in (None, g.backend_name())]
+    if not isinstance(actors, (list, tuple)):
+        raise TypeError(f"actors must be a list of actor handles, got {type(actors).__name__}")
+    ids = {actor._ray_actor_id.hex() for actor in actors}
+    found = []
+    for name in list_collective_groups():
+        store = rendezvous.find_store(name)
+        try:
+            group_backend, members = store.call("members") if store else (None, [])
+        except (CollectiveError, TimeoutError):
+            continue
+        if ids <= set(members) and wanted in (None, group_backend):
+            found.append(name)
+    return found
+
+
+def register_collective_backend(name: str, group_cls: type[BaseGroup]) -> None:
+    """Register ``group_cls`` as the backend called ``name``, here and for every actor.
+
+    Call it once in the driver: actors find the class by name when they build a
+    group, without registering it themselves. ``group_cls`` is built as
+    ``group_cls(world_size, rank, group_name, store, timeout, host)``.
+
+    Raises:
+        TypeError: ``group_cls`` is not a ``BaseGroup`` subclass.
+        ValueError: ``name`` is empty or names a built-in backend.
+
+    """
+    registry.register(name, group_cls)

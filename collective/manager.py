@@ -36,6 +36,11 @@ class GroupManager:
             entry = self._groups.get(name)
         return entry[0] if entry else None
 
+    def entry(self, name: str) -> tuple[BaseGroup, Any] | None:
+        """Return the group called ``name`` and its rendezvous store, or None."""
+        with self._lock:
+            return self._groups.get(name)
+
     def names(self) -> list[str]:
         """Return the names of this process's groups."""
         with self._lock:

@@ -67,6 +67,27 @@ class TCPRendezvousStore(RendezvousStore):
         self._store.delete_key(key)
 
 
+class PrefixedRendezvousStore(RendezvousStore):
+    """A view of another ``RendezvousStore`` in which every key starts with ``prefix``."""
+
+    def __init__(self, store: RendezvousStore, prefix: str) -> None:
+        """Wrap ``store``; keys set and read through this view get ``prefix`` in front."""
+        self._store = store
+        self._prefix = prefix
+
+    def set(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under the prefixed ``key``."""
+        self._store.set(self._prefix + key, value)
+
+    def get(self, key: str, timeout: timedelta) -> bytes:
+        """Return the value of the prefixed ``key``, waiting up to ``timeout`` for it."""
+        return self._store.get(self._prefix + key, timeout)
+
+    def delete(self, key: str) -> None:
+        """Remove the prefixed ``key`` if it is present."""
+        self._store.delete(self._prefix + key)
+
+
 @dataclass(frozen=True)
 class Declaration:
     """A group declared from the driver: who is in it, and how it is built."""
@@ -153,6 +174,14 @@ class StoreActor:
         if members is None or members.left >= set(members.joined):
             self._closed = True
         return self._closed
+
+    async def members(self) -> tuple[str | None, list[str]]:
+        """Return the group's backend and its members' actor ids, declared or joined."""
+        if self._declaration is not None:
+            return self._declaration.backend, sorted(self._declaration.ranks)
+        if self._members is None:
+            return None, []
+        return self._members.backend, sorted(self._members.joined.values())
 
     async def arrivals(self) -> tuple[int | None, list[int]]:
         """Return the world size and the ranks that have joined, in order."""
@@ -255,6 +284,16 @@ def find_store(group_name: str) -> RayRendezvousStore | None:
     except ValueError:
         return None
     return RayRendezvousStore(handle, group_name)
+
+
+def list_stores() -> list[str]:
+    """Return the names of the groups that have a store in this job's namespace."""
+    import ray
+
+    names = ray.util.list_named_actors()
+    return sorted(
+        n.removeprefix(STORE_ACTOR_PREFIX) for n in names if n.startswith(STORE_ACTOR_PREFIX)
+    )
 
 
 def declare_store(group_name: str, declaration: Declaration) -> RayRendezvousStore:

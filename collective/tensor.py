@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -168,3 +169,32 @@ class CpuBuffer:
             np.copyto(self._source, self.tensor.numpy())
         else:
             self._source.copy_(self.tensor)
+
+
+def is_buffer(x: Any) -> bool:
+    """Return whether ``x`` is a numpy array, torch tensor or cupy array."""
+    return isinstance(x, np.ndarray) or _is_torch(x) or _is_cupy(x)
+
+
+def is_contiguous(x: Any) -> bool:
+    """Return whether ``x``'s elements are laid out densely in row-major order."""
+    return bool(x.is_contiguous()) if _is_torch(x) else bool(x.flags.c_contiguous)
+
+
+def chunks(x: Any, count: int, shape: tuple[int, ...]) -> list[Any]:
+    """Return ``count`` consecutive views of contiguous ``x``, each of ``shape``.
+
+    The views share ``x``'s memory, so writing them writes ``x``.
+    """
+    size = int(np.prod(shape, dtype=np.int64))
+    flat = x.reshape(-1)
+    return [flat[i * size : (i + 1) * size].reshape(shape) for i in range(count)]
+
+
+def split_rows(x: Any, sizes: list[int]) -> list[Any]:
+    """Return views of consecutive row blocks of ``x`` along dim 0, of ``sizes`` rows each.
+
+    The views share ``x``'s memory, so writing them writes ``x``.
+    """
+    offsets = [0, *itertools.accumulate(sizes)]
+    return [x[a:b] for a, b in itertools.pairwise(offsets)]

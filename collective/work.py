@@ -55,3 +55,8 @@ class CompletedWork(Work):
     def exception(self) -> BaseException | None:
         """Return the op's failure, or None."""
         return self._error
+
+
+def issued(work: Work, async_op: bool) -> Work | None:
+    """Return what a public op returns: its handle when called with ``async_op``, else None."""
+    return work if async_op else None

@@ -34,10 +34,13 @@ def test_public_names_are_all_exported() -> None:
         not in {
             "api",
             "checks",
+            "exchange",
             "groups",
             "lifecycle",
             "manager",
+            "registry",
             "rendezvous",
+            "subgroups",
             "tensor",
             "types",
             "work",

@@ -18,6 +18,7 @@ from collective.types import (
     BroadcastOptions,
     GatherOptions,
     RecvOptions,
+    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
@@ -80,13 +81,19 @@ class BaseGroup(ABC):
 
     @classmethod
     @abstractmethod
-    def backend(cls) -> Backend:
-        """Return the backend this class implements."""
+    def backend(cls) -> Backend | str:
+        """Return the backend this class implements: a ``Backend`` or a registered name."""
 
     @classmethod
     @abstractmethod
     def check_backend_availability(cls) -> bool:
         """Return whether this backend's dependencies are importable here."""
+
+    @classmethod
+    def backend_name(cls) -> str:
+        """Return the backend's name as users pass it, e.g. ``"gloo"``."""
+        backend = cls.backend()
+        return backend.value if isinstance(backend, Backend) else str(backend)
 
     def check_tensor(self, spec: TensorSpec, name: str) -> None:
         """Reject a buffer this backend cannot use.
@@ -95,15 +102,29 @@ class BaseGroup(ABC):
             TypeError: the buffer is on the wrong device kind or of an unsupported dtype.
 
         """
+        backend = self.backend_name()
         if spec.device.split(":")[0] != self.device_type:
             raise TypeError(
-                f"{name} must be a {self.device_type} buffer for a {self.backend().value} "
+                f"{name} must be a {self.device_type} buffer for a {backend} "
                 f"group, got one on {spec.device}"
             )
         if spec.dtype not in self.dtypes:
             raise TypeError(
-                f"{name} has dtype {spec.dtype}, which the {self.backend().value} backend "
+                f"{name} has dtype {spec.dtype}, which the {backend} backend "
                 f"does not support; supported: {sorted(self.dtypes)}"
+            )
+
+    def check_reduce_op(self, op: ReduceOp, spec: TensorSpec, name: str) -> None:
+        """Reject a reduction this backend cannot apply to ``spec``'s dtype.
+
+        Raises:
+            TypeError: the reduction is undefined on the dtype, e.g. AVG on integers.
+
+        """
+        if not op.accepts(spec.dtype):
+            kinds = "floating-point" if op is ReduceOp.AVG else "integer and bool"
+            raise TypeError(
+                f"op {op.name} takes {kinds} tensors only, but {name} has dtype {spec.dtype}"
             )
 
     @abstractmethod

@@ -1,0 +1,189 @@
+"""Gather, scatter and all-to-all: the ops ``ray.util.collective`` lacks.
+
+Like every op, each looks up its group, checks its arguments before anything is
+sent, then calls the group; results land in the caller's buffers in place.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from collective import checks
+from collective.groups.base import BaseGroup
+from collective.lifecycle import get_group_handle
+from collective.tensor import split_rows
+from collective.types import AllToAllOptions, GatherOptions, ScatterOptions
+from collective.work import Work, issued
+
+
+def gather(
+    tensor: Any,
+    gather_list: list[Any] | Any | None = None,
+    dst_rank: int = 0,
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Gather every rank's ``tensor`` onto ``dst_rank``: ``gather_list[i]`` receives rank i's.
+
+    Args:
+        tensor: this rank's contribution; only read.
+        gather_list: on ``dst_rank``, world-size buffers of ``tensor``'s shape and
+            dtype, or one contiguous buffer of world size x ``tensor``'s elements;
+            written in place. None on every other rank.
+        dst_rank: the rank that receives.
+        group_name: the group.
+        timeout: overrides the group's timeout for this call.
+        async_op: return a ``Work`` at once instead of waiting.
+
+    """
+    group = get_group_handle(group_name)
+    spec = checks.check_tensor(group, tensor, "tensor")
+    checks.check_rank(dst_rank, group.world_size, "dst_rank")
+    outputs = checks.check_rooted_list(
+        group, gather_list, "gather_list", spec, dst_rank, "dst_rank"
+    )
+    checks.check_disjoint(
+        [(f"gather_list[{i}]", t) for i, t in enumerate(outputs)], [("tensor", tensor)]
+    )
+    options = GatherOptions(dst_rank, *checks.check_call(timeout, async_op))
+    return issued(group.gather([outputs], [tensor], options), async_op)
+
+
+def scatter(
+    tensor: Any,
+    scatter_list: list[Any] | Any | None = None,
+    src_rank: int = 0,
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Scatter ``src_rank``'s ``scatter_list``: rank i's ``tensor`` receives element i.
+
+    Args:
+        tensor: this rank's result buffer; written in place on every rank.
+        scatter_list: on ``src_rank``, world-size buffers of ``tensor``'s shape and
+            dtype, or one contiguous buffer of world size x ``tensor``'s elements;
+            only read. None on every other rank.
+        src_rank: the rank that sends.
+        group_name: the group.
+        timeout: overrides the group's timeout for this call.
+        async_op: return a ``Work`` at once instead of waiting.
+
+    """
+    group = get_group_handle(group_name)
+    spec = checks.check_tensor(group, tensor, "tensor")
+    checks.check_rank(src_rank, group.world_size, "src_rank")
+    inputs = checks.check_rooted_list(
+        group, scatter_list, "scatter_list", spec, src_rank, "src_rank"
+    )
+    checks.check_disjoint(
+        [("tensor", tensor)], [(f"scatter_list[{i}]", t) for i, t in enumerate(inputs)]
+    )
+    options = ScatterOptions(src_rank, *checks.check_call(timeout, async_op))
+    return issued(group.scatter([tensor], [inputs], options), async_op)
+
+
+def alltoall(
+    output_tensor_list: list[Any],
+    input_tensor_list: list[Any],
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Send ``input_tensor_list[j]`` to rank j; ``output_tensor_list[j]`` receives rank j's.
+
+    Args:
+        output_tensor_list: world-size buffers of one dtype; written in place.
+            Element j must have the shape of element i of rank j's input list,
+            where i is this rank.
+        input_tensor_list: world-size buffers of that dtype; only read. Sizes may
+            differ per peer.
+        group_name: the group.
+        timeout: overrides the group's timeout for this call.
+        async_op: return a ``Work`` at once instead of waiting.
+
+    """
+    group = get_group_handle(group_name)
+    inputs = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
+    outputs = _same_dtype_list(group, output_tensor_list, "output_tensor_list", inputs[0])
+    names = ("output_tensor_list", "input_tensor_list")
+    return _alltoall(group, outputs, inputs, names, timeout, async_op)
+
+
+def alltoall_single(
+    output: Any,
+    input: Any,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Split ``input`` along dim 0 and send block j to rank j; ``output`` receives theirs.
+
+    Args:
+        output: the result buffer; block j along dim 0 receives what rank j sent
+            here; written in place.
+        input: this rank's data; only read.
+        output_split_sizes: rows of ``output`` per source rank; None splits evenly.
+        input_split_sizes: rows of ``input`` per destination rank; None splits evenly.
+        group_name: the group.
+        timeout: overrides the group's timeout for this call.
+        async_op: return a ``Work`` at once instead of waiting.
+
+    """
+    group = get_group_handle(group_name)
+    in_spec = checks.check_tensor(group, input, "input")
+    out_spec = checks.check_tensor(group, output, "output")
+    if (out_spec.dtype, out_spec.shape[1:]) != (in_spec.dtype, in_spec.shape[1:]) or not (
+        in_spec.shape and out_spec.shape
+    ):
+        raise ValueError(
+            "output and input must share dtype and every dim but the first, "
+            f"got output {out_spec.describe()} and input {in_spec.describe()}"
+        )
+    n = group.world_size
+    out_sizes = checks.check_split_sizes(
+        output_split_sizes, out_spec.shape[0], n, "output_split_sizes"
+    )
+    in_sizes = checks.check_split_sizes(input_split_sizes, in_spec.shape[0], n, "input_split_sizes")
+    outputs, inputs = split_rows(output, out_sizes), split_rows(input, in_sizes)
+    return _alltoall(group, outputs, inputs, ("output", "input"), timeout, async_op)
+
+
+def _same_dtype_list(group: BaseGroup, xs: Any, name: str, like: Any | None = None) -> list[Any]:
+    """Return ``xs`` as world-size buffers of one dtype (``like``'s when given)."""
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+    if len(xs) != group.world_size:
+        raise ValueError(
+            f"{name} must hold {group.world_size} tensors (the world size), got {len(xs)}"
+        )
+    dtype = checks.check_tensor(group, like if like is not None else xs[0], name).dtype
+    for i, x in enumerate(xs):
+        spec = checks.check_tensor(group, x, f"{name}[{i}]")
+        if spec.dtype != dtype:
+            raise ValueError(f"{name}[{i}] has dtype {spec.dtype}, but must be {dtype}")
+    return list(xs)
+
+
+def _alltoall(
+    group: BaseGroup,
+    outputs: list[Any],
+    inputs: list[Any],
+    names: tuple[str, str],
+    timeout: timedelta | None,
+    async_op: bool,
+) -> Work | None:
+    checks.check_disjoint(
+        [(f"{names[0]}[{i}]", t) for i, t in enumerate(outputs)],
+        [(f"{names[1]}[{i}]", t) for i, t in enumerate(inputs)],
+    )
+    options = AllToAllOptions(*checks.check_call(timeout, async_op))
+    return issued(group.alltoall(outputs, inputs, options), async_op)

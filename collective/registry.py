@@ -1,0 +1,117 @@
+"""The backend registry: backend names to ``BaseGroup`` classes, shared with every actor.
+
+The built-in backends are registered at import. A class registered with
+``register_collective_backend`` in the driver is also published, pickled, in the
+Ray cluster's key-value store, so every actor finds it by name on first use
+without registering it itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from collective.groups.base import BaseGroup
+from collective.groups.gloo import GlooGroup
+from collective.types import Backend, CollectiveError
+
+_KV_NAMESPACE = "collective.backends"
+"""The Ray key-value namespace under which registered classes are published."""
+
+_lock = threading.Lock()
+_classes: dict[str, type[BaseGroup]] = {Backend.GLOO.value: GlooGroup}
+_missing: dict[str, str] = {
+    Backend.NCCL.value: (
+        "the nccl backend is not available in this release of collective; "
+        "use backend='gloo' for CPU tensors"
+    ),
+}
+
+
+def backend_name(backend: Any) -> str:
+    """Normalise ``backend`` (a ``Backend``, a built-in name in any case, or a registered name).
+
+    Raises:
+        TypeError: ``backend`` is neither a ``Backend`` nor a string.
+        ValueError: ``backend`` names no built-in and no registered backend.
+
+    """
+    if isinstance(backend, str) and not isinstance(backend, Backend):
+        name = backend.lower()
+        if name in _classes or _fetch(name) is not None:
+            return name
+    return Backend.parse(backend).value
+
+
+def group_class(name: str) -> type[BaseGroup]:
+    """Return the class of backend ``name``, ready to build a group.
+
+    Raises:
+        CollectiveError: the backend is unavailable here, with what to install.
+
+    """
+    cls = _classes.get(name) or _fetch(name)
+    if cls is None:
+        raise CollectiveError(_missing.get(name, f"no backend named {name!r} is registered"))
+    if not cls.check_backend_availability():
+        raise CollectiveError(f"the {name} backend's dependencies are not installed")
+    return cls
+
+
+def is_available(name: str) -> bool:
+    """Return whether groups of backend ``name`` can be built in this process."""
+    cls = _classes.get(name) or _fetch(name)
+    return cls is not None and cls.check_backend_availability()
+
+
+def register(name: Any, group_cls: Any) -> None:
+    """Register ``group_cls`` as backend ``name`` here and, under Ray, for every actor.
+
+    Raises:
+        TypeError: ``name`` is no string or ``group_cls`` no ``BaseGroup`` subclass.
+        ValueError: ``name`` is empty or a built-in backend's name.
+
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not isinstance(group_cls, type) or not issubclass(group_cls, BaseGroup):
+        got = group_cls.__name__ if isinstance(group_cls, type) else type(group_cls).__name__
+        raise TypeError(f"group_cls must be a subclass of collective.BaseGroup, got {got}")
+    key = name.lower()
+    if not key:
+        raise ValueError("name must be a non-empty string")
+    if key in {b.value for b in Backend}:
+        raise ValueError(f"name must not be a built-in backend's name, got {name!r}")
+    with _lock:
+        _classes[key] = group_cls
+    kv = _ray_kv()
+    if kv is not None:
+        import ray.cloudpickle as pickle
+
+        kv._internal_kv_put(key, pickle.dumps(group_cls), overwrite=True, namespace=_KV_NAMESPACE)
+
+
+def _ray_kv() -> Any:
+    """Return Ray's internal key-value module when this process is connected to Ray."""
+    try:
+        import ray
+        from ray.experimental import internal_kv
+    except ImportError:
+        return None
+    return internal_kv if ray.is_initialized() else None
+
+
+def _fetch(name: str) -> type[BaseGroup] | None:
+    """Return the class the driver published as backend ``name``, or None."""
+    kv = _ray_kv()
+    if kv is None or name in _missing:
+        return None
+    blob = kv._internal_kv_get(name, namespace=_KV_NAMESPACE)
+    if blob is None:
+        return None
+    import ray.cloudpickle as pickle
+
+    cls = pickle.loads(blob)
+    with _lock:
+        _classes.setdefault(name, cls)
+    return cls
