@@ -353,15 +353,39 @@ class GlooGroup(BaseGroup):
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
     ) -> Work:
-        """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j; gloo's native alltoall."""
-        outs = [CpuBuffer(t, f"output_tensor_list[{i}]", True) for i, t in enumerate(outputs)]
-        ins = [CpuBuffer(t, f"input_tensor_list[{i}]", False) for i, t in enumerate(inputs)]
+        """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j.
+
+        Equal sizes use gloo's native alltoall on the buffers themselves; uneven
+        sizes go through one flat buffer each way and gloo's native alltoallv.
+        """
+        outs = [CpuBuffer(t, f"output[{i}]", True) for i, t in enumerate(outputs)]
+        ins = [CpuBuffer(t, f"input[{i}]", False) for i, t in enumerate(inputs)]
         out, sent = [o.tensor for o in outs], [i.tensor for i in ins]
+        if len({t.numel() for t in out + sent}) == 1:
+            return self._run(
+                "alltoall",
+                options,
+                lambda t: self._pg.alltoall(out, sent, _options("AllToAll", t)),
+                lambda: _commit_all(outs),
+            )
+        import torch
+
+        flat_in = torch.cat([t.reshape(-1) for t in sent])
+        flat_out = torch.empty(sum(t.numel() for t in out), dtype=flat_in.dtype)
+        out_splits, in_splits = [t.numel() for t in out], [t.numel() for t in sent]
+
+        def finish() -> None:
+            for target, chunk in zip(out, flat_out.split(out_splits), strict=True):
+                target.copy_(chunk.view(target.shape))
+            _commit_all(outs)
+
         return self._run(
             "alltoall",
             options,
-            lambda t: self._pg.alltoall(out, sent, _options("AllToAll", t)),
-            lambda: _commit_all(outs),
+            lambda t: self._pg.alltoall_base(
+                flat_out, flat_in, out_splits, in_splits, _options("AllToAll", t)
+            ),
+            finish,
         )
 
     def destroy_group(self) -> None:
