@@ -312,7 +312,7 @@ OP_ERRORS: dict[str, tuple[Callable[[str], Any], type[BaseException], str]] = {
     "send_to_self": (lambda g: col.send(np.ones(3), 0, g), ValueError, "dst_rank"),
     "recv_from_self": (lambda g: col.recv(np.ones(3), 0, g), ValueError, "src_rank"),
     "allreduce_op_unknown_string": (
-        lambda g: col.allreduce(np.ones(3), g, op="AVG"),
+        lambda g: col.allreduce(np.ones(3), g, op="MEAN"),
         ValueError,
         "op",
     ),
@@ -343,6 +343,131 @@ OP_ERRORS: dict[str, tuple[Callable[[str], Any], type[BaseException], str]] = {
         "timeout",
     ),
     "barrier_timeout_number": (lambda g: col.barrier(g, timeout=5.0), TypeError, "timeout"),
+    "allreduce_async_op_not_bool": (
+        lambda g: col.allreduce(np.ones(3), g, async_op=1),
+        TypeError,
+        "async_op",
+    ),
+    "allreduce_avg_on_integers": (
+        lambda g: col.allreduce(np.ones(3, np.int32), g, op=col.ReduceOp.AVG),
+        TypeError,
+        "AVG",
+    ),
+    "reduce_band_on_floats": (
+        lambda g: col.reduce(np.ones(3), 0, g, op="band"),
+        TypeError,
+        "BAND",
+    ),
+    "reducescatter_bxor_on_floats": (
+        lambda g: col.reducescatter(torch.ones(3), torch.ones(6), g, op=col.ReduceOp.BXOR),
+        TypeError,
+        "BXOR",
+    ),
+    "allgather_flat_wrong_size": (
+        lambda g: col.allgather(np.zeros(5), np.ones(3), g),
+        ValueError,
+        "tensor_list",
+    ),
+    "allgather_flat_wrong_dtype": (
+        lambda g: col.allgather(np.zeros(6, np.float32), np.ones(3), g),
+        ValueError,
+        "tensor_list",
+    ),
+    "allgather_flat_not_contiguous": (
+        lambda g: col.allgather(np.zeros(12)[::2], np.ones(3), g),
+        ValueError,
+        "tensor_list",
+    ),
+    "reducescatter_flat_wrong_size": (
+        lambda g: col.reducescatter(np.zeros(3), np.ones(7), g),
+        ValueError,
+        "tensor_list",
+    ),
+    "gather_list_on_a_non_root": (
+        lambda g: col.gather(np.ones(3), [np.zeros(3), np.zeros(3)], 1, g),
+        ValueError,
+        "gather_list",
+    ),
+    "gather_list_missing_on_root": (
+        lambda g: col.gather(np.ones(3), None, 0, g),
+        ValueError,
+        "gather_list",
+    ),
+    "gather_list_too_short": (
+        lambda g: col.gather(np.ones(3), [np.zeros(3)], 0, g),
+        ValueError,
+        "gather_list",
+    ),
+    "gather_list_is_the_input": (
+        lambda g: (lambda x: col.gather(x, [x, np.zeros(3)], 0, g))(np.ones(3)),
+        ValueError,
+        "gather_list[0]",
+    ),
+    "gather_dst_rank_too_big": (
+        lambda g: col.gather(np.ones(3), None, 2, g),
+        ValueError,
+        "dst_rank",
+    ),
+    "scatter_list_on_a_non_root": (
+        lambda g: col.scatter(np.zeros(3), [np.ones(3), np.ones(3)], 1, g),
+        ValueError,
+        "scatter_list",
+    ),
+    "scatter_list_missing_on_root": (
+        lambda g: col.scatter(np.zeros(3), None, 0, g),
+        ValueError,
+        "scatter_list",
+    ),
+    "scatter_list_shape_mismatch": (
+        lambda g: col.scatter(np.zeros(3), [np.ones(3), np.ones(4)], 0, g),
+        ValueError,
+        "scatter_list[1]",
+    ),
+    "scatter_src_rank_negative": (
+        lambda g: col.scatter(np.zeros(3), None, -1, g),
+        ValueError,
+        "src_rank",
+    ),
+    "alltoall_lists_too_short": (
+        lambda g: col.alltoall([np.zeros(3)], [np.ones(3)], g),
+        ValueError,
+        "input_tensor_list",
+    ),
+    "alltoall_dtype_mismatch": (
+        lambda g: col.alltoall([np.zeros(3), np.zeros(3, np.int64)], [np.ones(3), np.ones(3)], g),
+        ValueError,
+        "output_tensor_list[1]",
+    ),
+    "alltoall_output_is_an_input": (
+        lambda g: (lambda x: col.alltoall([x, np.zeros(3)], [np.ones(3), x], g))(np.ones(3)),
+        ValueError,
+        "output_tensor_list[0]",
+    ),
+    "alltoall_single_splits_do_not_sum": (
+        lambda g: col.alltoall_single(np.zeros(4), np.ones(4), [1, 2], [2, 2], g),
+        ValueError,
+        "output_split_sizes",
+    ),
+    "alltoall_single_splits_wrong_length": (
+        lambda g: col.alltoall_single(np.zeros(4), np.ones(4), [4], [2, 2], g),
+        ValueError,
+        "output_split_sizes",
+    ),
+    "alltoall_single_negative_split": (
+        lambda g: col.alltoall_single(np.zeros(4), np.ones(4), [2, 2], [5, -1], g),
+        ValueError,
+        "input_split_sizes[1]",
+    ),
+    "alltoall_single_uneven_without_splits": (
+        lambda g: col.alltoall_single(np.zeros(4), np.ones(3), group_name=g),
+        ValueError,
+        "input_split_sizes",
+    ),
+    "alltoall_single_dtype_mismatch": (
+        lambda g: col.alltoall_single(np.zeros(4, np.int32), np.ones(4), group_name=g),
+        ValueError,
+        "output",
+    ),
 }
 
 
