@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from collective.groups.base import BaseGroup
+from collective.groups.gloo_work import GlooWork, commit_all
 from collective.rendezvous import RendezvousStore
 from collective.tensor import DTYPES, CpuBuffer
 from collective.types import (
@@ -67,11 +67,6 @@ def _options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
 
 def _reduce_op(op: ReduceOp) -> Any:
     return getattr(_dist().ReduceOp, op.name)
-
-
-def _commit_all(buffers: Sequence[CpuBuffer]) -> None:
-    for buffer in buffers:
-        buffer.commit()
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -193,7 +188,7 @@ class GlooGroup(BaseGroup):
             torch_work = start(options.timeout)
         except RuntimeError as exc:
             raise self._fail(op, timeout, exc) from exc
-        work = _GlooWork(self, op, torch_work, timeout, finish, p2p)
+        work = GlooWork(lambda t, exc: self._fail(op, t, exc), torch_work, timeout, finish, p2p)
         if not options.async_op:
             work.wait()
         return work
@@ -266,7 +261,7 @@ class GlooGroup(BaseGroup):
             "allgather",
             options,
             lambda t: self._pg.allgather(out, [source.tensor], _options("Allgather", t)),
-            lambda: _commit_all(outputs),
+            lambda: commit_all(outputs),
         )
 
     def reducescatter(
@@ -327,7 +322,7 @@ class GlooGroup(BaseGroup):
             "gather",
             options,
             lambda t: self._pg.gather(out, [source.tensor], _options("Gather", t, rootRank=root)),
-            lambda: _commit_all(outputs),
+            lambda: commit_all(outputs),
         )
 
     def scatter(
@@ -366,7 +361,7 @@ class GlooGroup(BaseGroup):
                 "alltoall",
                 options,
                 lambda t: self._pg.alltoall(out, sent, _options("AllToAll", t)),
-                lambda: _commit_all(outs),
+                lambda: commit_all(outs),
             )
         import torch
 
@@ -377,7 +372,7 @@ class GlooGroup(BaseGroup):
         def finish() -> None:
             for target, chunk in zip(out, flat_out.split(out_splits), strict=True):
                 target.copy_(chunk.view(target.shape))
-            _commit_all(outs)
+            commit_all(outs)
 
         return self._run(
             "alltoall",
@@ -392,64 +387,3 @@ class GlooGroup(BaseGroup):
         """Drop the process group and the TCPStore; their threads and sockets close."""
         self._pg = None
         self._tcp_store = None
-
-
-class _GlooWork(Work):
-    """A gloo op in flight; ``wait`` writes staged outputs back once it has succeeded."""
-
-    def __init__(
-        self,
-        group: GlooGroup,
-        op: str,
-        torch_work: Any,
-        timeout: timedelta,
-        finish: Callable[[], None],
-        p2p: bool,
-    ) -> None:
-        self._group = group
-        self._op = op
-        self._torch_work = torch_work
-        self._timeout = timeout
-        self._finish = finish
-        self._p2p = p2p
-        self._lock = threading.Lock()
-        self._done = False
-        self._error: CollectiveError | None = None
-
-    def wait(self, timeout: timedelta | None = None) -> None:
-        """Block until the op has finished and its outputs are written."""
-        with self._lock:
-            if not self._done:
-                self._complete(timeout)
-        if self._error is not None:
-            raise self._error
-
-    def _complete(self, timeout: timedelta | None) -> None:
-        effective = timeout or self._timeout
-        try:
-            if self._p2p or timeout is not None:
-                self._torch_work.wait(effective)
-            else:
-                self._torch_work.wait()
-        except RuntimeError as exc:
-            self._error = self._group._fail(self._op, effective, exc)
-        else:
-            self._finish()
-        self._done = True
-        self._torch_work = None
-        self._finish = lambda: None
-
-    def is_completed(self) -> bool:
-        """Return whether the op has finished, successfully or not."""
-        with self._lock:
-            return self._done or self._torch_work.is_completed()
-
-    def exception(self) -> BaseException | None:
-        """Return the op's failure once it has finished with one, else None."""
-        if not self.is_completed():
-            return None
-        try:
-            self.wait()
-        except CollectiveError as exc:
-            return exc
-        return None

@@ -1,0 +1,78 @@
+"""GlooWork: the handle of one gloo op in flight, over torch's ``Work``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from collective.tensor import CpuBuffer
+from collective.types import CollectiveError
+from collective.work import Work
+
+
+def commit_all(buffers: Sequence[CpuBuffer]) -> None:
+    """Write every staged buffer of an op back into its user buffer."""
+    for buffer in buffers:
+        buffer.commit()
+
+
+class GlooWork(Work):
+    """A gloo op in flight; ``wait`` writes staged outputs back once it has succeeded."""
+
+    def __init__(
+        self,
+        fail: Callable[[timedelta, BaseException], CollectiveError],
+        torch_work: Any,
+        timeout: timedelta,
+        finish: Callable[[], None],
+        p2p: bool,
+    ) -> None:
+        """Track ``torch_work``; ``fail`` turns its failure into the group's error."""
+        self._fail = fail
+        self._torch_work = torch_work
+        self._timeout = timeout
+        self._finish = finish
+        self._p2p = p2p
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: CollectiveError | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Block until the op has finished and its outputs are written."""
+        with self._lock:
+            if not self._done:
+                self._complete(timeout)
+        if self._error is not None:
+            raise self._error
+
+    def _complete(self, timeout: timedelta | None) -> None:
+        effective = timeout or self._timeout
+        try:
+            if self._p2p or timeout is not None:
+                self._torch_work.wait(effective)
+            else:
+                self._torch_work.wait()
+        except RuntimeError as exc:
+            self._error = self._fail(effective, exc)
+        else:
+            self._finish()
+        self._done = True
+        self._torch_work = None
+        self._finish = lambda: None
+
+    def is_completed(self) -> bool:
+        """Return whether the op has finished, successfully or not."""
+        with self._lock:
+            return self._done or self._torch_work.is_completed()
+
+    def exception(self) -> BaseException | None:
+        """Return the op's failure once it has finished with one, else None."""
+        if not self.is_completed():
+            return None
+        try:
+            self.wait()
+        except CollectiveError as exc:
+            return exc
+        return None
