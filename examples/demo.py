@@ -59,6 +59,25 @@ class Worker:
             col.recv(msg, src_rank=rank - 1, group_name=GROUP)
         got["send/recv(even -> odd)"] = msg.tolist()
 
+        parts = [np.zeros(2, dtype=np.int32) for _ in range(n)] if rank == 0 else None
+        col.gather(np.full(2, rank, dtype=np.int32), parts, dst_rank=0, group_name=GROUP)
+        got["gather(-> rank 0)"] = [p.tolist() for p in parts] if parts else ["-"]
+
+        out = torch.zeros(2)
+        chunks = [torch.full((2,), 10.0 * i) for i in range(n)] if rank == 3 else None
+        col.scatter(out, chunks, src_rank=3, group_name=GROUP)
+        got["scatter(from rank 3)"] = out.tolist()
+
+        sent = [np.array([10 * rank + j]) for j in range(n)]
+        received = [np.zeros(1, dtype=np.int64) for _ in range(n)]
+        col.alltoall(received, sent, GROUP)
+        got["alltoall(10*src+dst)"] = [int(r[0]) for r in received]
+
+        x = torch.full((3,), float(rank))
+        work = col.allreduce(x, GROUP, op=col.ReduceOp.AVG, async_op=True)
+        work.wait()
+        got["allreduce(avg, async)"] = x.tolist()
+
         col.barrier(GROUP)
         got["barrier"] = ["passed"]
         return got
