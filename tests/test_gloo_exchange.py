@@ -268,3 +268,29 @@ def test_async_failure_is_raised_by_wait_and_reported_by_exception() -> None:
 
     result = run_ranks(2, fn, group_timeout=timedelta(seconds=10))[0]
     assert result == {"same": True, "done": True}
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter", "alltoall"])
+def test_new_ops_time_out_instead_of_hanging(op: str) -> None:
+    timeout = timedelta(seconds=1)
+
+    def fn(group: GlooGroup, rank: int) -> tuple[str, float]:
+        if rank == 1:
+            time.sleep(4)  # never joins; rank 0 must give up on its own
+            return "absent", 0.0
+        start = time.monotonic()
+        x = torch.ones(4)
+        with pytest.raises(CollectiveTimeoutError) as raised:
+            if op == "gather":
+                group.gather([[torch.zeros(4), torch.zeros(4)]], [x], GatherOptions(0, timeout))
+            elif op == "scatter":
+                group.scatter([x], [[torch.ones(4), torch.ones(4)]], ScatterOptions(0, timeout))
+            else:
+                outputs = [torch.zeros(4), torch.zeros(4)]
+                group.alltoall(outputs, [x, x], AllToAllOptions(timeout))
+        return str(raised.value), time.monotonic() - start
+
+    message, elapsed = run_ranks(2, fn, group_timeout=timedelta(seconds=10))[0]
+    assert op in message
+    assert "rank 0" in message
+    assert 0.5 <= elapsed <= 4.0
