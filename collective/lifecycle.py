@@ -8,6 +8,7 @@ from typing import Any
 from collective import checks, rendezvous
 from collective.groups.base import BaseGroup
 from collective.groups.gloo import GlooGroup
+from collective.groups.nccl import NCCLGroup
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
 from collective.types import (
@@ -17,13 +18,7 @@ from collective.types import (
     GroupNotFoundError,
 )
 
-_BACKENDS: dict[Backend, type[BaseGroup]] = {Backend.GLOO: GlooGroup}
-_MISSING = {
-    Backend.NCCL: (
-        "the nccl backend is not available in this release of collective; "
-        "use backend='gloo' for CPU tensors"
-    ),
-}
+_BACKENDS: dict[Backend, type[BaseGroup]] = {Backend.GLOO: GlooGroup, Backend.NCCL: NCCLGroup}
 
 _manager = GroupManager()
 
@@ -46,12 +41,13 @@ def _require_ray_worker(function: str) -> None:
         raise CollectiveError(f"{function} must be called inside a Ray actor or task")
 
 
-def _group_class(backend: Backend) -> type[BaseGroup]:
+def _group_class(backend: Backend, here: bool = True) -> type[BaseGroup]:
+    """Return the class of ``backend``; with ``here``, check it can run in this process."""
     cls = _BACKENDS.get(backend)
     if cls is None:
-        raise CollectiveError(_MISSING[backend])
-    if not cls.check_backend_availability():
-        raise CollectiveError(f"the {backend.value} backend's dependencies are not installed")
+        raise CollectiveError(f"no {backend.value} backend is registered")
+    if here and not cls.check_backend_availability():
+        raise CollectiveError(cls.unavailable_reason())
     return cls
 
 
@@ -212,7 +208,7 @@ def declare_collective_group(
         raise ValueError("actors must be distinct; the same actor appears twice")
     backend = Backend.parse(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
-    _group_class(backend)
+    _group_class(backend, here=False)
     if not ray.is_initialized():
         raise CollectiveError("declare_collective_group needs ray.init() first")
     membership = dict(zip(ids, ranks, strict=True))

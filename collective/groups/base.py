@@ -18,6 +18,7 @@ from collective.types import (
     BroadcastOptions,
     GatherOptions,
     RecvOptions,
+    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
@@ -48,6 +49,9 @@ class BaseGroup(ABC):
 
     dtypes: ClassVar[frozenset[str]] = frozenset()
     """The dtype names this backend reduces and moves."""
+
+    supported_ops: ClassVar[frozenset[ReduceOp]] = frozenset(ReduceOp)
+    """The reductions this backend implements."""
 
     def __init__(
         self, world_size: int, rank: int, group_name: str, timeout: timedelta = DEFAULT_TIMEOUT
@@ -88,6 +92,28 @@ class BaseGroup(ABC):
     def check_backend_availability(cls) -> bool:
         """Return whether this backend's dependencies are importable here."""
 
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Return what to install when ``check_backend_availability`` is False."""
+        return f"the {cls.backend().value} backend's dependencies are not installed"
+
+    def check_reduce_op(self, op: ReduceOp, dtype: str) -> None:
+        """Reject a reduction this backend cannot apply to ``dtype`` tensors.
+
+        Raises:
+            ValueError: the backend does not implement ``op``.
+            TypeError: ``op`` is not defined on ``dtype``.
+
+        """
+        if op not in self.supported_ops:
+            names = ", ".join(o.name for o in ReduceOp if o in self.supported_ops)
+            raise ValueError(
+                f"the {self.backend().value} backend does not support ReduceOp.{op.name}; "
+                f"supported: {names}"
+            )
+        if not op.accepts(dtype):
+            raise TypeError(f"ReduceOp.{op.name} does not take {dtype} tensors")
+
     def check_tensor(self, spec: TensorSpec, name: str) -> None:
         """Reject a buffer this backend cannot use.
 
@@ -96,9 +122,10 @@ class BaseGroup(ABC):
 
         """
         if spec.device.split(":")[0] != self.device_type:
+            other = "gloo" if self.device_type == "cuda" else "nccl"
             raise TypeError(
-                f"{name} must be a {self.device_type} buffer for a {self.backend().value} "
-                f"group, got one on {spec.device}"
+                f"{name} must be a {self.device_type} tensor for a {self.backend().value} "
+                f"group, got one on {spec.device}; use a {other} group for it, or move it"
             )
         if spec.dtype not in self.dtypes:
             raise TypeError(
