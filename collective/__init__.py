@@ -24,6 +24,16 @@ from collective.lifecycle import (
     is_group_initialized,
     nccl_available,
 )
+from collective.multigpu import (
+    allgather_multigpu,
+    allreduce_multigpu,
+    broadcast_multigpu,
+    recv_multigpu,
+    reduce_multigpu,
+    reducescatter_multigpu,
+    send_multigpu,
+    synchronize,
+)
 from collective.types import (
     Backend,
     CollectiveError,
@@ -44,9 +54,12 @@ __all__ = [
     "ReduceOp",
     "Work",
     "allgather",
+    "allgather_multigpu",
     "allreduce",
+    "allreduce_multigpu",
     "barrier",
     "broadcast",
+    "broadcast_multigpu",
     "create_collective_group",
     "declare_collective_group",
     "destroy_collective_group",
@@ -59,7 +72,12 @@ __all__ = [
     "is_group_initialized",
     "nccl_available",
     "recv",
+    "recv_multigpu",
     "reduce",
+    "reduce_multigpu",
     "reducescatter",
+    "reducescatter_multigpu",
     "send",
+    "send_multigpu",
+    "synchronize",
 ]

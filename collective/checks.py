@@ -112,3 +112,37 @@ def check_disjoint(
         for other_name, other in list(outputs[:i]) + list(others):
             if tensor.overlaps(x, other):
                 raise ValueError(f"{name} and {other_name} share memory; pass distinct buffers")
+
+
+def check_multigpu_group(group: BaseGroup, function: str) -> None:
+    """Reject a ``*_multigpu`` call on a group whose backend does not drive GPUs."""
+    if group.device_type != "cuda":
+        raise ValueError(
+            f"{function} needs a group on GPUs (backend='nccl'), but group "
+            f"{group.group_name!r} uses the {group.backend().value} backend"
+        )
+
+
+def check_gpu_tensor_list(group: BaseGroup, xs: Any, name: str) -> list[Any]:
+    """Return ``xs`` as a list if it holds at least one tensor that ``group`` takes."""
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+    if not xs:
+        raise ValueError(f"{name} must hold at least one tensor, got an empty list")
+    for i, x in enumerate(xs):
+        check_tensor(group, x, f"{name}[{i}]")
+    return list(xs)
+
+
+def check_index(value: Any, length: int, name: str) -> int:
+    """Return ``value`` if it is an int in ``[0, length)``."""
+    if not 0 <= check_int(value, name) < length:
+        raise ValueError(f"{name} must be in [0, {length}), got {value}")
+    return value
+
+
+def check_non_negative(value: Any, name: str) -> int:
+    """Return ``value`` if it is an int of at least 0."""
+    if check_int(value, name) < 0:
+        raise ValueError(f"{name} must be at least 0, got {value}")
+    return value

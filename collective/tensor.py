@@ -273,3 +273,28 @@ def record_stream(x: Any, stream: int) -> None:
         import torch
 
         x.record_stream(torch.cuda.ExternalStream(stream, device=x.device))
+
+
+def synchronize_device(gpu_id: int) -> None:
+    """Block until all work queued on GPU ``gpu_id`` has finished.
+
+    Raises:
+        CollectiveError: neither cupy nor torch with CUDA is installed.
+
+    """
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        cupy.cuda.Device(gpu_id).synchronize()
+        return
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        from collective.types import CollectiveError
+
+        raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"')
+    torch.cuda.synchronize(gpu_id)

@@ -37,6 +37,7 @@ def test_public_names_are_all_exported() -> None:
             "groups",
             "lifecycle",
             "manager",
+            "multigpu",
             "rendezvous",
             "tensor",
             "types",
