@@ -50,17 +50,20 @@ def _probe() -> tuple[Any, str]:
         import cupy
         from cupy.cuda import nccl
     except ImportError as exc:
-        return None, f"the nccl backend needs cupy with NCCL: {INSTALL_HINT} ({exc})"
+        return None, (
+            f"the nccl backend is not available here: it needs cupy with NCCL: {INSTALL_HINT}; "
+            f"use backend='gloo' for CPU tensors ({exc})"
+        )
     if not getattr(nccl, "available", True):
-        return None, f"this cupy build has no NCCL support: {INSTALL_HINT}"
+        return None, f"the nccl backend is not available here: cupy has no NCCL: {INSTALL_HINT}"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return None, f"the nccl backend needs a CUDA GPU; CUDA failed here: {exc}"
+        return None, f"the nccl backend is not available here: CUDA failed: {exc}"
     if count < 1:
         return None, (
-            "the nccl backend needs a CUDA GPU and none is visible in this process; "
-            "give the actor num_gpus=1 or use backend='gloo'"
+            "the nccl backend is not available here: no CUDA GPU is visible in this process; "
+            "give the actor num_gpus=1, or use backend='gloo' for CPU tensors"
         )
     return cupy, ""
 
