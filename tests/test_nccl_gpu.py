@@ -66,12 +66,15 @@ MULTI = [n for n in (2, 4) if GPUS >= n]
 
 
 def run_ranks(world_size: int, fn: Callable[[NCCLGroup, int], Any]) -> list[Any]:
-    """Run ``fn(group, rank)`` in one thread per rank, rank r on GPU r; return every result."""
+    """Run ``fn(group, rank)`` in one thread per rank, rank r on GPU r; return every result.
+
+    Each rank destroys its own group in its own thread, so that no rank's destroy
+    waits on a peer that is not destroying at the same time.
+    """
     master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60))
     name = f"nccl-{uuid.uuid4().hex[:8]}"
     results: list[Any] = [None] * world_size
     failures: list[tuple[int, BaseException]] = []
-    groups: list[NCCLGroup] = []
 
     def body(rank: int) -> None:
         try:
@@ -81,8 +84,10 @@ def run_ranks(world_size: int, fn: Callable[[NCCLGroup, int], Any]) -> list[Any]
             if rank:
                 store = dist.TCPStore("127.0.0.1", master.port, None, False, GROUP_TIMEOUT)
             group = NCCLGroup(world_size, rank, name, TCPRendezvousStore(store), GROUP_TIMEOUT)
-            groups.append(group)
-            results[rank] = fn(group, rank)
+            try:
+                results[rank] = fn(group, rank)
+            finally:
+                group.destroy_group()
         except BaseException as exc:
             failures.append((rank, exc))
 
@@ -92,14 +97,10 @@ def run_ranks(world_size: int, fn: Callable[[NCCLGroup, int], Any]) -> list[Any]
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    try:
-        if failures:
-            raise failures[0][1]
-        alive = [r for r, t in enumerate(threads) if t.is_alive()]
-        assert not alive, f"ranks {alive} still running after {JOIN_TIMEOUT_S}s"
-    finally:
-        for group in groups:
-            group.destroy_group()
+    if failures:
+        raise failures[0][1]
+    alive = [r for r, t in enumerate(threads) if t.is_alive()]
+    assert not alive, f"ranks {alive} still running after {JOIN_TIMEOUT_S}s"
     return results
 
 
