@@ -46,8 +46,8 @@ from collective.groups.nccl_comm import (
     encode_unique_id,
     exchange_unique_id,
     per_device,
+    release_communicators,
     unavailable_reason,
-    wait_events,
 )
 from collective.groups.nccl_p2p import NcclPointToPoint
 from collective.rendezvous import RendezvousStore
@@ -139,11 +139,7 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         with self._lock:
             self._error = self._error or error
             comms = [c for entry in self._comms.values() for c in entry]
-        for comm in comms:
-            try:
-                comm.abort()
-            except RuntimeError:
-                pass
+        release_communicators(comms, [], False, self.timeout)
         return error
 
     def _check_usable(self) -> None:
@@ -397,19 +393,6 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
             events = [e for pending in self._inflight for e in pending[0]]
             self._comms.clear()
             self._streams.clear()
-        healthy = self._error is None
-        if healthy and events:
-            try:
-                healthy = wait_events(events, comms, self.timeout)
-            except RuntimeError:
-                healthy = False
-        for comm in comms:
-            try:
-                if healthy:
-                    comm.destroy()
-                else:
-                    comm.abort()
-            except RuntimeError:
-                pass
+        release_communicators(comms, events, self._error is None, self.timeout)
         with self._lock:
             self._inflight = []

@@ -193,6 +193,29 @@ def wait_events(events: Sequence[Any], comms: Sequence[Any], timeout: timedelta)
     return True
 
 
+def release_communicators(
+    comms: Sequence[Any], events: Sequence[Any], healthy: bool, timeout: timedelta
+) -> None:
+    """Destroy ``comms`` once ``events`` complete, or abort them.
+
+    A healthy group's running ops get ``timeout`` to finish. Communicators of an
+    unhealthy group, or with ops that do not finish, are aborted, which never waits.
+    """
+    if healthy and events:
+        try:
+            healthy = wait_events(events, comms, timeout)
+        except RuntimeError:
+            healthy = False
+    for comm in comms:
+        try:
+            if healthy:
+                comm.destroy()
+            else:
+                comm.abort()
+        except RuntimeError:
+            continue
+
+
 class NcclWork(Work):
     """An NCCL op in flight, tracked by a CUDA event on each comm stream it used.
 
