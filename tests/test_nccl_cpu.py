@@ -29,6 +29,7 @@ from collective.groups.nccl_comm import (
     decode_unique_id,
     encode_unique_id,
     exchange_unique_id,
+    meet,
 )
 from collective.rendezvous import RendezvousStore, TCPRendezvousStore, join_store, leave_store
 from collective.tensor import NCCL_DTYPES, TensorSpec
@@ -220,6 +221,31 @@ _ACTOR_STORES: dict[str, Any] = {}
 
 def _join(name: str, rank: int, world_size: int) -> None:
     _ACTOR_STORES[name] = join_store(name, rank, world_size, "nccl", timedelta(seconds=30))[0]
+
+
+def test_meet_returns_once_every_rank_arrived() -> None:
+    stores = _tcp_stores(3)
+    done: list[int] = []
+
+    def rank_body(rank: int) -> None:
+        meet(stores[rank], "nccl/g/init", rank, 3, timedelta(seconds=30))
+        done.append(rank)
+
+    threads = [threading.Thread(target=rank_body, args=(r,)) for r in (1, 2, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(done) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_meet_times_out_when_a_rank_never_arrives(rank: int) -> None:
+    stores = _tcp_stores(3)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        meet(stores[rank], "nccl/g/init", rank, 3, SHORT)
+    assert time.monotonic() - start < SHORT.total_seconds() + SLACK_S
 
 
 def _exchange_in_actor(name: str, rank: int, timeout_s: float) -> Any:

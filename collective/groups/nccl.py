@@ -45,6 +45,7 @@ from collective.groups.nccl_comm import (
     cupy_module,
     encode_unique_id,
     exchange_unique_id,
+    meet,
     per_device,
     release_communicators,
     unavailable_reason,
@@ -86,16 +87,21 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         timeout: timedelta = DEFAULT_TIMEOUT,
         host: str = "127.0.0.1",
     ) -> None:
-        """Prepare this rank; communicators are made on first use, through ``store``.
+        """Wait for every rank to arrive; communicators are made on first use, via ``store``.
 
         ``host`` is unused: NCCL finds its own interfaces.
 
         Raises:
             CollectiveError: cupy, NCCL or a GPU is missing; says what to install.
+            CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
 
         """
         super().__init__(world_size, rank, group_name, timeout)
         self._cupy = cupy_module()
+        try:
+            meet(store, f"nccl/{group_name}/init", rank, world_size, timeout)
+        except TimeoutError as exc:
+            raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
         self._store = store
         self._lock = threading.RLock()
         self._comms: dict[tuple[Any, ...], list[Any]] = {}
