@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from collective.types import CollectiveError
+
 DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
 )
@@ -294,7 +296,5 @@ def synchronize_device(gpu_id: int) -> None:
     except ImportError:
         torch = None
     if torch is None or not torch.cuda.is_available():
-        from collective.types import CollectiveError
-
         raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"')
     torch.cuda.synchronize(gpu_id)
