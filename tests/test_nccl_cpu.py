@@ -412,3 +412,11 @@ def test_multigpu_names_are_exported_with_rays_signatures() -> None:
         assert [p.name for p in positional] == list(theirs), name
         assert all(ours[p].default == theirs[p].default for p in theirs if p != "op"), name
         assert name in col.__all__
+
+
+@needs_no_gpu
+def test_synchronize_without_a_gpu_says_what_to_install() -> None:
+    with pytest.raises(ValueError, match="gpu_id must be at least 0, got -1"):
+        col.synchronize(-1)
+    with pytest.raises(CollectiveError, match=r"collective\[nccl\]"):
+        col.synchronize(0)
