@@ -29,6 +29,16 @@ from collective.lifecycle import (
     nccl_available,
     register_collective_backend,
 )
+from collective.multigpu import (
+    allgather_multigpu,
+    allreduce_multigpu,
+    broadcast_multigpu,
+    recv_multigpu,
+    reduce_multigpu,
+    reducescatter_multigpu,
+    send_multigpu,
+    synchronize,
+)
 from collective.subgroups import new_group
 from collective.types import (
     Backend,
@@ -50,11 +60,14 @@ __all__ = [
     "ReduceOp",
     "Work",
     "allgather",
+    "allgather_multigpu",
     "allreduce",
+    "allreduce_multigpu",
     "alltoall",
     "alltoall_single",
     "barrier",
     "broadcast",
+    "broadcast_multigpu",
     "create_collective_group",
     "declare_collective_group",
     "destroy_all_collective_groups",
@@ -72,9 +85,14 @@ __all__ = [
     "nccl_available",
     "new_group",
     "recv",
+    "recv_multigpu",
     "reduce",
+    "reduce_multigpu",
     "reducescatter",
+    "reducescatter_multigpu",
     "register_collective_backend",
     "scatter",
     "send",
+    "send_multigpu",
+    "synchronize",
 ]

@@ -48,7 +48,7 @@ def allreduce(
     """
     group = get_group_handle(group_name)
     spec = checks.check_tensor(group, tensor, "tensor")
-    op = checks.check_reduce_op(group, op, spec, "tensor")
+    op = checks.check_reduce_op(group, op, spec)
     options = AllReduceOptions(op, *checks.check_call(timeout, async_op))
     return issued(group.allreduce([tensor], options), async_op)
 
@@ -79,7 +79,7 @@ def reduce(
     group = get_group_handle(group_name)
     spec = checks.check_tensor(group, tensor, "tensor")
     checks.check_rank(dst_rank, group.world_size, "dst_rank")
-    op = checks.check_reduce_op(group, op, spec, "tensor")
+    op = checks.check_reduce_op(group, op, spec)
     options = ReduceOptions(op, dst_rank, 0, *checks.check_call(timeout, async_op))
     return issued(group.reduce([tensor], options), async_op)
 
@@ -159,7 +159,7 @@ def reducescatter(
     checks.check_disjoint(
         [("tensor", tensor)], [(f"tensor_list[{i}]", t) for i, t in enumerate(inputs)]
     )
-    op = checks.check_reduce_op(group, op, spec, "tensor")
+    op = checks.check_reduce_op(group, op, spec)
     options = ReduceScatterOptions(op, *checks.check_call(timeout, async_op))
     return issued(group.reducescatter([tensor], [inputs], options), async_op)
 

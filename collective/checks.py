@@ -124,10 +124,10 @@ def check_call(timeout: Any, async_op: Any) -> tuple[timedelta | None, bool]:
     return check_timeout(timeout), async_op
 
 
-def check_reduce_op(group: BaseGroup, op: Any, spec: TensorSpec, name: str) -> ReduceOp:
+def check_reduce_op(group: BaseGroup, op: Any, spec: TensorSpec) -> ReduceOp:
     """Return ``op`` as a ``ReduceOp`` if ``group`` can apply it to ``spec``'s dtype."""
     reduce_op = ReduceOp.parse(op)
-    group.check_reduce_op(reduce_op, spec, name)
+    group.check_reduce_op(reduce_op, spec.dtype)
     return reduce_op
 
 
@@ -190,3 +190,37 @@ def check_split_sizes(sizes: Any, rows: int, world_size: int, name: str) -> list
     if sum(sizes) != rows:
         raise ValueError(f"{name} must sum to dim 0 of its tensor ({rows}), got {sum(sizes)}")
     return list(sizes)
+
+
+def check_multigpu_group(group: BaseGroup, function: str) -> None:
+    """Reject a ``*_multigpu`` call on a group whose backend does not drive GPUs."""
+    if group.device_type != "cuda":
+        raise ValueError(
+            f"{function} needs a group on GPUs (backend='nccl'), but group "
+            f"{group.group_name!r} uses the {group.backend_name()} backend"
+        )
+
+
+def check_gpu_tensor_list(group: BaseGroup, xs: Any, name: str) -> list[Any]:
+    """Return ``xs`` as a list if it holds at least one tensor that ``group`` takes."""
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+    if not xs:
+        raise ValueError(f"{name} must hold at least one tensor, got an empty list")
+    for i, x in enumerate(xs):
+        check_tensor(group, x, f"{name}[{i}]")
+    return list(xs)
+
+
+def check_index(value: Any, length: int, name: str) -> int:
+    """Return ``value`` if it is an int in ``[0, length)``."""
+    if not 0 <= check_int(value, name) < length:
+        raise ValueError(f"{name} must be in [0, {length}), got {value}")
+    return value
+
+
+def check_non_negative(value: Any, name: str) -> int:
+    """Return ``value`` if it is an int of at least 0."""
+    if check_int(value, name) < 0:
+        raise ValueError(f"{name} must be at least 0, got {value}")
+    return value

@@ -225,7 +225,7 @@ def declare_collective_group(
         raise CollectiveError("declare_collective_group needs ray.init() first")
     backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
-    registry.group_class(backend)
+    registry.group_class(backend, here=False)
     membership = dict(zip(ids, ranks, strict=True))
     declaration = Declaration(world_size, backend, membership, group_timeout)
     rendezvous.declare_store(group_name, declaration)

@@ -13,19 +13,18 @@ from typing import Any
 
 from collective.groups.base import BaseGroup
 from collective.groups.gloo import GlooGroup
+from collective.groups.nccl import NCCLGroup
 from collective.types import Backend, CollectiveError
 
 _KV_NAMESPACE = "collective.backends"
 """The Ray key-value namespace under which registered classes are published."""
 
 _lock = threading.Lock()
-_classes: dict[str, type[BaseGroup]] = {Backend.GLOO.value: GlooGroup}
-_missing: dict[str, str] = {
-    Backend.NCCL.value: (
-        "the nccl backend is not available in this release of collective; "
-        "use backend='gloo' for CPU tensors"
-    ),
+_classes: dict[str, type[BaseGroup]] = {
+    Backend.GLOO.value: GlooGroup,
+    Backend.NCCL.value: NCCLGroup,
 }
+_BUILT_IN = frozenset(_classes)
 
 
 def backend_name(backend: Any) -> str:
@@ -43,18 +42,21 @@ def backend_name(backend: Any) -> str:
     return Backend.parse(backend).value
 
 
-def group_class(name: str) -> type[BaseGroup]:
-    """Return the class of backend ``name``, ready to build a group.
+def group_class(name: str, here: bool = True) -> type[BaseGroup]:
+    """Return the class of backend ``name``; with ``here``, check it can run in this process.
+
+    A driver without a GPU may declare NCCL groups for its actors, so declaring
+    passes ``here=False``.
 
     Raises:
-        CollectiveError: the backend is unavailable here, with what to install.
+        CollectiveError: no such backend, or it is unavailable here, saying what to install.
 
     """
     cls = _classes.get(name) or _fetch(name)
     if cls is None:
-        raise CollectiveError(_missing.get(name, f"no backend named {name!r} is registered"))
-    if not cls.check_backend_availability():
-        raise CollectiveError(f"the {name} backend's dependencies are not installed")
+        raise CollectiveError(f"no backend named {name!r} is registered")
+    if here and not cls.check_backend_availability():
+        raise CollectiveError(cls.unavailable_reason())
     return cls
 
 
@@ -80,7 +82,7 @@ def register(name: Any, group_cls: Any) -> None:
     key = name.lower()
     if not key:
         raise ValueError("name must be a non-empty string")
-    if key in {b.value for b in Backend}:
+    if key in _BUILT_IN:
         raise ValueError(f"name must not be a built-in backend's name, got {name!r}")
     with _lock:
         _classes[key] = group_cls
@@ -104,7 +106,7 @@ def _ray_kv() -> Any:
 def _fetch(name: str) -> type[BaseGroup] | None:
     """Return the class the driver published as backend ``name``, or None."""
     kv = _ray_kv()
-    if kv is None or name in _missing:
+    if kv is None or name in _BUILT_IN:
         return None
     blob = kv._internal_kv_get(name, namespace=_KV_NAMESPACE)
     if blob is None:

@@ -39,6 +39,7 @@ def test_public_names_are_all_exported() -> None:
             "lifecycle",
             "manager",
             "registry",
+            "multigpu",
             "rendezvous",
             "subgroups",
             "tensor",

@@ -50,6 +50,9 @@ class BaseGroup(ABC):
     dtypes: ClassVar[frozenset[str]] = frozenset()
     """The dtype names this backend reduces and moves."""
 
+    supported_ops: ClassVar[frozenset[ReduceOp]] = frozenset(ReduceOp)
+    """The reductions this backend implements."""
+
     def __init__(
         self, world_size: int, rank: int, group_name: str, timeout: timedelta = DEFAULT_TIMEOUT
     ) -> None:
@@ -95,6 +98,11 @@ class BaseGroup(ABC):
         backend = cls.backend()
         return backend.value if isinstance(backend, Backend) else str(backend)
 
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Return what to install when ``check_backend_availability`` is False."""
+        return f"the {cls.backend_name()} backend's dependencies are not installed"
+
     def check_tensor(self, spec: TensorSpec, name: str) -> None:
         """Reject a buffer this backend cannot use.
 
@@ -104,9 +112,10 @@ class BaseGroup(ABC):
         """
         backend = self.backend_name()
         if spec.device.split(":")[0] != self.device_type:
+            other = "gloo" if self.device_type == "cuda" else "nccl"
             raise TypeError(
-                f"{name} must be a {self.device_type} buffer for a {backend} "
-                f"group, got one on {spec.device}"
+                f"{name} must be a {self.device_type} tensor for a {backend} "
+                f"group, got one on {spec.device}; use a {other} group for it, or move it"
             )
         if spec.dtype not in self.dtypes:
             raise TypeError(
@@ -114,17 +123,25 @@ class BaseGroup(ABC):
                 f"does not support; supported: {sorted(self.dtypes)}"
             )
 
-    def check_reduce_op(self, op: ReduceOp, spec: TensorSpec, name: str) -> None:
-        """Reject a reduction this backend cannot apply to ``spec``'s dtype.
+    def check_reduce_op(self, op: ReduceOp, dtype: str) -> None:
+        """Reject a reduction this backend cannot apply to ``dtype`` tensors.
 
         Raises:
-            TypeError: the reduction is undefined on the dtype, e.g. AVG on integers.
+            ValueError: the backend does not implement ``op``.
+            TypeError: ``op`` is not defined on ``dtype``, e.g. AVG on integers.
 
         """
-        if not op.accepts(spec.dtype):
+        if op not in self.supported_ops:
+            names = ", ".join(o.name for o in ReduceOp if o in self.supported_ops)
+            raise ValueError(
+                f"the {self.backend_name()} backend does not support ReduceOp.{op.name}; "
+                f"supported: {names}"
+            )
+        if not op.accepts(dtype):
             kinds = "floating-point" if op is ReduceOp.AVG else "integer and bool"
             raise TypeError(
-                f"op {op.name} takes {kinds} tensors only, but {name} has dtype {spec.dtype}"
+                f"ReduceOp.{op.name} does not take {dtype} tensors: op {op.name} takes "
+                f"{kinds} tensors only"
             )
 
     @abstractmethod

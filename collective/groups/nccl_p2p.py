@@ -1,0 +1,165 @@
+"""Point-to-point ops of ``NCCLGroup``: send/recv, gather, scatter and alltoall.
+
+send and recv use pair communicators; gather, scatter and alltoall are grouped
+send/recv on the group's collective communicator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from collective import tensor
+from collective.groups.nccl_comm import buffers_on, per_device
+from collective.tensor import CudaBuffer
+from collective.types import (
+    AllToAllOptions,
+    CollectiveError,
+    GatherOptions,
+    RecvOptions,
+    ScatterOptions,
+    SendOptions,
+)
+from collective.work import Work
+
+_DEVICE_TO_DEVICE = 3
+"""``cudaMemcpyDeviceToDevice``."""
+
+
+class NcclPointToPoint:
+    """The send/recv-based ops of ``NCCLGroup``, which mixes this class in.
+
+    They use the group's communicator cache and launcher; see ``NCCLGroup``.
+    """
+
+    rank: int
+    world_size: int
+    timeout: timedelta
+    _cupy: Any
+    _check_usable: Callable[[], None]
+    _communicators: Callable[..., list[Any]]
+    _fail: Callable[[str, timedelta, BaseException], CollectiveError]
+    _launch: Callable[..., Work]
+    _collective: Callable[..., Work]
+
+    def _pair_comm(
+        self, device: int, peer: int, peer_gpu: int, timeout: timedelta
+    ) -> tuple[Any, int]:
+        """Return the communicator of this endpoint and the peer's, and the peer's NCCL rank."""
+        me, other = (self.rank, device), (peer, peer_gpu)
+        low, high = sorted([me, other])
+        mine = 0 if me == low else 1
+        store_key = f"p2p/{low[0]}.{low[1]}-{high[0]}.{high[1]}"
+        comms = self._communicators(("p2p", low, high), store_key, [device], 2, [mine], timeout)
+        return comms[0], 1 - mine
+
+    def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
+        self._check_usable()
+        if len(tensors) != 1:
+            raise ValueError(f"{op} takes one tensor, got {len(tensors)}")
+        b = tensor.cuda_buffer(tensors[0], "tensor")
+        count = options.n_elements or b.count
+        if count > b.count:
+            raise ValueError(f"n_elements must be at most {b.count}, got {count}")
+        timeout = options.timeout or self.timeout
+        try:
+            comm, peer_rank = self._pair_comm(b.device, peer, gpu, timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
+
+        def call(_: int, comm: Any, stream: int) -> None:
+            getattr(comm, op)(b.ptr, count, b.nccl_dtype, peer_rank, stream)
+
+        return self._launch(op, options, tensors, [comm], call, tensors)
+
+    def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
+        """Send the tensor (or its first ``n_elements``) to GPU ``dst_gpu_index`` of the peer."""
+        return self._p2p("send", tensors, options, options.dst_rank, options.dst_gpu_index)
+
+    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
+        """Receive into the tensor, in place, from GPU ``src_gpu_index`` of the peer."""
+        return self._p2p("recv", tensors, options, options.src_rank, options.src_gpu_index)
+
+    def _copy(self, dst: CudaBuffer, src: CudaBuffer, stream: int) -> None:
+        self._cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, _DEVICE_TO_DEVICE, stream)
+
+    def gather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: GatherOptions,
+    ) -> Work:
+        """Write rank j's tensor into element j of the root's list; grouped send/recv."""
+        source = per_device(tensors, "tensor")[0]
+        root, on_root = options.root_rank, self.rank == options.root_rank
+        length = self.world_size if on_root else 0
+        outs = buffers_on(tensor_lists[0] if tensor_lists else [], "gather_list", source, length)
+
+        def call(_: int, comm: Any, stream: int) -> None:
+            if not on_root:
+                comm.send(source.ptr, source.count, source.nccl_dtype, root, stream)
+                return
+            for j, out in enumerate(outs):
+                if j == root:
+                    self._copy(out, source, stream)
+                else:
+                    comm.recv(out.ptr, out.count, out.nccl_dtype, j, stream)
+
+        flat = [x for xs in tensor_lists for x in xs]
+        return self._collective("gather", options, tensors, call, [*tensors, *flat])
+
+    def scatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ScatterOptions,
+    ) -> Work:
+        """Write element j of the root's list into rank j's tensor; grouped send/recv."""
+        out = per_device(tensors, "tensor")[0]
+        root, on_root = options.root_rank, self.rank == options.root_rank
+        length = self.world_size if on_root else 0
+        ins = buffers_on(tensor_lists[0] if tensor_lists else [], "scatter_list", out, length)
+
+        def call(_: int, comm: Any, stream: int) -> None:
+            if not on_root:
+                comm.recv(out.ptr, out.count, out.nccl_dtype, root, stream)
+                return
+            for j, source in enumerate(ins):
+                if j == root:
+                    self._copy(out, source, stream)
+                else:
+                    comm.send(source.ptr, source.count, source.nccl_dtype, j, stream)
+
+        flat = [x for xs in tensor_lists for x in xs]
+        return self._collective("scatter", options, tensors, call, [*tensors, *flat])
+
+    def alltoall(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
+    ) -> Work:
+        """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j; grouped send/recv."""
+        if len(outputs) != self.world_size or len(inputs) != self.world_size:
+            raise ValueError(
+                f"alltoall takes {self.world_size} outputs and inputs, "
+                f"got {len(outputs)} and {len(inputs)}"
+            )
+        outs = [tensor.cuda_buffer(t, f"output_tensor_list[{j}]") for j, t in enumerate(outputs)]
+        ins = [tensor.cuda_buffer(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)]
+        if len({b.device for b in outs + ins}) != 1 or len({b.dtype for b in outs + ins}) != 1:
+            raise ValueError("alltoall's tensors must all be on one GPU and of one dtype")
+        me = self.rank
+        if outs[me].count != ins[me].count:
+            raise ValueError(
+                f"output_tensor_list[{me}] and input_tensor_list[{me}] (this rank's own share) "
+                f"must hold as many elements, got {outs[me].count} and {ins[me].count}"
+            )
+
+        def call(_: int, comm: Any, stream: int) -> None:
+            for j, (out, source) in enumerate(zip(outs, ins, strict=True)):
+                if j == me:
+                    self._copy(out, source, stream)
+                    continue
+                comm.send(source.ptr, source.count, source.nccl_dtype, j, stream)
+                comm.recv(out.ptr, out.count, out.nccl_dtype, j, stream)
+
+        return self._collective("alltoall", options, [outputs[0]], call, [*outputs, *inputs])

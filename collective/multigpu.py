@@ -1,0 +1,184 @@
+"""The ``*_multigpu`` ops, for actors that drive several GPUs; signatures as in Ray.
+
+An actor of rank ``r`` that passes ``n`` tensors, one per GPU, holds NCCL ranks
+``r * n + i``; every actor of the group must pass the same number of tensors. Each
+op writes its results into the caller's buffers in place and returns None, and
+takes a keyword-only ``timeout`` that overrides the group's for this call.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from collective import checks, tensor
+from collective.groups.base import BaseGroup
+from collective.lifecycle import get_group_handle
+from collective.types import (
+    AllGatherOptions,
+    AllReduceOptions,
+    BroadcastOptions,
+    RecvOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    SendOptions,
+)
+
+
+def _gpu_group(group_name: str, function: str) -> BaseGroup:
+    group = get_group_handle(group_name)
+    checks.check_multigpu_group(group, function)
+    return group
+
+
+def allreduce_multigpu(
+    tensor_list: list[Any],
+    group_name: str = "default",
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Reduce every GPU's tensor across the group; each tensor of ``tensor_list`` receives it."""
+    group = _gpu_group(group_name, "allreduce_multigpu")
+    tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+    group.allreduce(tensors, AllReduceOptions(ReduceOp.parse(op), checks.check_timeout(timeout)))
+
+
+def reduce_multigpu(
+    tensor_list: list[Any],
+    dst_rank: int = 0,
+    dst_tensor: int = 0,
+    group_name: str = "default",
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Reduce every GPU's tensor onto tensor ``dst_tensor`` of rank ``dst_rank``.
+
+    Only that tensor is written; every other tensor is left unchanged.
+    """
+    group = _gpu_group(group_name, "reduce_multigpu")
+    tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+    checks.check_rank(dst_rank, group.world_size, "dst_rank")
+    checks.check_index(dst_tensor, len(tensors), "dst_tensor")
+    options = ReduceOptions(ReduceOp.parse(op), dst_rank, dst_tensor, checks.check_timeout(timeout))
+    group.reduce(tensors, options)
+
+
+def broadcast_multigpu(
+    tensor_list: list[Any],
+    src_rank: int = 0,
+    src_tensor: int = 0,
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Copy tensor ``src_tensor`` of rank ``src_rank`` into every other GPU's tensor."""
+    group = _gpu_group(group_name, "broadcast_multigpu")
+    tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+    checks.check_rank(src_rank, group.world_size, "src_rank")
+    checks.check_index(src_tensor, len(tensors), "src_tensor")
+    options = BroadcastOptions(src_rank, src_tensor, checks.check_timeout(timeout))
+    group.broadcast(tensors, options)
+
+
+def allgather_multigpu(
+    output_tensor_lists: list[list[Any]],
+    input_tensor_list: list[Any],
+    group_name: str = "default",
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Gather every GPU's tensor: ``output_tensor_lists[i][k]`` receives NCCL rank k's.
+
+    Args:
+        output_tensor_lists: one list per local GPU, each of world_size * num_gpus
+            buffers on that GPU; written in place.
+        input_tensor_list: one tensor per local GPU; only read.
+        group_name: the group.
+        timeout: overrides the group's timeout for this call.
+
+    """
+    group = _gpu_group(group_name, "allgather_multigpu")
+    inputs = checks.check_gpu_tensor_list(group, input_tensor_list, "input_tensor_list")
+    outputs = _tensor_lists(group, output_tensor_lists, "output_tensor_lists", len(inputs))
+    group.allgather(outputs, inputs, AllGatherOptions(checks.check_timeout(timeout)))
+
+
+def reducescatter_multigpu(
+    output_tensor_list: list[Any],
+    input_tensor_lists: list[list[Any]],
+    group_name: str = "default",
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Reduce the lists elementwise; NCCL rank k's output tensor receives element k.
+
+    Args:
+        output_tensor_list: one tensor per local GPU; written in place.
+        input_tensor_lists: one list per local GPU, each of world_size * num_gpus
+            buffers on that GPU; only read.
+        group_name: the group.
+        op: the reduction.
+        timeout: overrides the group's timeout for this call.
+
+    """
+    group = _gpu_group(group_name, "reducescatter_multigpu")
+    outputs = checks.check_gpu_tensor_list(group, output_tensor_list, "output_tensor_list")
+    inputs = _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
+    options = ReduceScatterOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
+    group.reducescatter(outputs, inputs, options)
+
+
+def send_multigpu(
+    tensor: Any,
+    dst_rank: int,
+    dst_gpu_index: int,
+    group_name: str = "default",
+    n_elements: int = 0,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Send ``tensor`` (its first ``n_elements``, if not 0) to GPU ``dst_gpu_index`` of a peer."""
+    group = _gpu_group(group_name, "send_multigpu")
+    checks.check_tensor(group, tensor, "tensor")
+    checks.check_peer(dst_rank, group, "dst_rank")
+    checks.check_non_negative(dst_gpu_index, "dst_gpu_index")
+    checks.check_non_negative(n_elements, "n_elements")
+    options = SendOptions(dst_rank, dst_gpu_index, n_elements, checks.check_timeout(timeout))
+    group.send([tensor], options)
+
+
+def recv_multigpu(
+    tensor: Any,
+    src_rank: int,
+    src_gpu_index: int,
+    group_name: str = "default",
+    n_elements: int = 0,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Receive into ``tensor`` (its first ``n_elements``, if not 0) from a peer's GPU."""
+    group = _gpu_group(group_name, "recv_multigpu")
+    checks.check_tensor(group, tensor, "tensor")
+    checks.check_peer(src_rank, group, "src_rank")
+    checks.check_non_negative(src_gpu_index, "src_gpu_index")
+    checks.check_non_negative(n_elements, "n_elements")
+    options = RecvOptions(src_rank, src_gpu_index, n_elements, checks.check_timeout(timeout))
+    group.recv([tensor], options)
+
+
+def synchronize(gpu_id: int) -> None:
+    """Block until all work queued on GPU ``gpu_id`` of this process has finished."""
+    tensor.synchronize_device(checks.check_non_negative(gpu_id, "gpu_id"))
+
+
+def _tensor_lists(group: BaseGroup, xs: Any, name: str, length: int) -> list[list[Any]]:
+    """Return ``xs`` as ``length`` lists of tensors that ``group`` takes."""
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of lists of tensors, got {type(xs).__name__}")
+    if len(xs) != length:
+        raise ValueError(f"{name} must hold {length} lists (one per GPU), got {len(xs)}")
+    return [checks.check_gpu_tensor_list(group, x, f"{name}[{i}]") for i, x in enumerate(xs)]
