@@ -89,7 +89,9 @@ class Worker:
 
 def main() -> None:
     """Start a local cluster, run the ops, print each rank's results, and clean up."""
-    ray.init(namespace="collective-demo", include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", namespace="collective-demo", include_dashboard=False, log_to_driver=False
+    )
     workers = [Worker.remote() for _ in range(WORLD_SIZE)]
     ranks = ray.get([w.setup.remote(r) for r, w in enumerate(workers)], timeout=120)
     print(f"gloo group {GROUP!r} ready, ranks {ranks}")

@@ -49,7 +49,7 @@ def unique_name(prefix: str = "g") -> str:
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """Start one local Ray cluster for the module and stop it afterwards."""
-    ray.init(num_cpus=2, namespace="collective-tests", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, namespace="collective-tests", include_dashboard=False)
     yield
     ray.shutdown()
 

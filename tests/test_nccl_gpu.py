@@ -360,7 +360,13 @@ def test_a_blocking_op_is_ordered_on_the_callers_stream() -> None:
 def gpu_ray() -> Any:
     """Start a Ray cluster that offers this machine's GPUs, and stop it afterwards."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, num_gpus=GPUS, namespace="collective-gpu-tests", include_dashboard=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        num_gpus=GPUS,
+        namespace="collective-gpu-tests",
+        include_dashboard=False,
+    )
     yield ray
     ray.shutdown()
 
