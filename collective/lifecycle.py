@@ -8,6 +8,7 @@ from typing import Any
 from collective import checks, rendezvous
 from collective.groups.base import BaseGroup
 from collective.groups.gloo import GlooGroup
+from collective.incarnation import IncarnationStore
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
 from collective.types import (
@@ -69,12 +70,16 @@ def _join_and_build(
     """Meet the other ranks through the group's store actor and connect to them."""
     cls = _group_class(backend)
     try:
-        store, _ = rendezvous.join_store(group_name, rank, world_size, backend.value, timeout)
+        store, incarnation = rendezvous.join_store(
+            group_name, rank, world_size, backend.value, timeout
+        )
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
     host = _ray().util.get_node_ip_address()
     try:
-        group = cls(world_size, rank, group_name, store, timeout, host)
+        group = cls(
+            world_size, rank, group_name, IncarnationStore(store, incarnation), timeout, host
+        )
     except CollectiveTimeoutError as exc:
         detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
         rendezvous.leave_store(store, rank)

@@ -40,6 +40,15 @@ class RendezvousStore(ABC):
     def delete(self, key: str) -> None:
         """Remove ``key`` if it is present."""
 
+    @property
+    def incarnation(self) -> str:
+        """Return the id of the group incarnation this store's keys belong to; "" if none."""
+        return ""
+
+    def watcher(self) -> RendezvousStore:
+        """Return a store a second thread may block on while this one is in use."""
+        return self
+
 
 class TCPRendezvousStore(RendezvousStore):
     """A ``RendezvousStore`` on a torch ``TCPStore``, for use without Ray."""
@@ -65,6 +74,10 @@ class TCPRendezvousStore(RendezvousStore):
     def delete(self, key: str) -> None:
         """Remove ``key`` if it is present."""
         self._store.delete_key(key)
+
+    def watcher(self) -> RendezvousStore:
+        """Return a store on a connection of its own; a TCPStore serialises its calls."""
+        return TCPRendezvousStore(self._store.clone())
 
 
 @dataclass(frozen=True)
