@@ -192,7 +192,12 @@ class GlooGroup(BaseGroup):
         return self._error
 
     def _wait(self, op: str, torch_work: Any, timeout: timedelta | None) -> None:
-        """Wait for ``torch_work`` up to ``timeout``; raise at once if another rank failed."""
+        """Wait for a collective up to ``timeout``; raise at once if another rank failed.
+
+        With ``timeout`` None the wait ends with the op, which gloo bounds by the op's
+        own timeout. Point-to-point ops are not watched: torch completes their
+        futures only inside ``wait``, and a dead peer breaks their one connection.
+        """
         if self._watch is None:
             torch_work.wait(timeout) if timeout is not None else torch_work.wait()
             return
@@ -451,8 +456,10 @@ class _GlooWork(Work):
     def _complete(self, timeout: timedelta | None) -> None:
         effective = timeout or self._timeout
         try:
-            bounded = self._p2p or timeout is not None
-            self._group._wait(self._op, self._torch_work, effective if bounded else None)
+            if self._p2p:
+                self._torch_work.wait(effective)
+            else:
+                self._group._wait(self._op, self._torch_work, timeout)
         except CollectiveError as exc:
             self._error = exc
         except (RuntimeError, TimeoutError) as exc:
