@@ -233,14 +233,19 @@ def destroy_collective_group(group_name: str = "default") -> None:
 
     In a member this closes the group's connections. The group's store actor is
     removed once every member that joined has left, or at once when this is called
-    outside an actor. Destroying a group that does not exist does nothing.
+    outside an actor or on a group broken by a failure (its dead members would
+    never leave). Destroying a group that does not exist does nothing.
     """
     checks.check_group_name(group_name)
     entry = _manager.remove(group_name)
     if entry is not None:
         group, store = entry
+        broken = getattr(group, "error", None) is not None
         group.destroy_group()
-        rendezvous.leave_store(store, group.rank)
+        if broken:
+            rendezvous.kill_store(store)
+        else:
+            rendezvous.leave_store(store, group.rank)
         return
     ray = _ray()
     if not ray.is_initialized():
