@@ -11,6 +11,7 @@ from collective.groups.gloo import GlooGroup
 from collective.incarnation import IncarnationStore
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
+from collective.signature import CheckedGroup
 from collective.types import (
     Backend,
     CollectiveError,
@@ -64,8 +65,19 @@ def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
     return timedelta(milliseconds=gloo_timeout)
 
 
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def _join_and_build(
-    group_name: str, rank: int, world_size: int, backend: Backend, timeout: timedelta
+    group_name: str,
+    rank: int,
+    world_size: int,
+    backend: Backend,
+    timeout: timedelta,
+    check_args: bool = False,
 ) -> tuple[BaseGroup, RayRendezvousStore]:
     """Meet the other ranks through the group's store actor and connect to them."""
     cls = _group_class(backend)
@@ -87,7 +99,7 @@ def _join_and_build(
     except BaseException:
         rendezvous.leave_store(store, rank)
         raise
-    return group, store
+    return (CheckedGroup(group) if check_args else group), store
 
 
 def _declared_rank(group_name: str) -> tuple[Declaration, int] | None:
@@ -113,7 +125,14 @@ def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | N
         return None
     declaration, rank = found
     backend = Backend(declaration.backend)
-    return _join_and_build(group_name, rank, declaration.world_size, backend, declaration.timeout)
+    return _join_and_build(
+        group_name,
+        rank,
+        declaration.world_size,
+        backend,
+        declaration.timeout,
+        declaration.check_args,
+    )
 
 
 def get_group_handle(group_name: str = "default") -> BaseGroup:
@@ -141,6 +160,7 @@ def init_collective_group(
     gloo_timeout: int = 30000,
     *,
     timeout: timedelta | None = None,
+    check_args: bool = False,
 ) -> None:
     """Join this actor to a collective group as ``rank``; blocks until all ranks arrive.
 
@@ -151,6 +171,9 @@ def init_collective_group(
         group_name: the group's name, unique among live groups of the job.
         gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
+        check_args: before every op, compare the ranks' arguments (op, dtype, shape,
+            root, reduce op) over the group and raise ``ValueError`` on every rank if
+            they differ. Costs one small allgather per op.
 
     Raises:
         ValueError, TypeError: an argument is invalid.
@@ -163,10 +186,12 @@ def init_collective_group(
     checks.check_rank(rank, world_size)
     backend = Backend.parse(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
+    check_args = _check_bool(check_args, "check_args")
     _group_class(backend)
     _require_ray_worker("init_collective_group")
     _manager.create(
-        group_name, lambda: _join_and_build(group_name, rank, world_size, backend, group_timeout)
+        group_name,
+        lambda: _join_and_build(group_name, rank, world_size, backend, group_timeout, check_args),
     )
 
 
@@ -179,6 +204,7 @@ def declare_collective_group(
     gloo_timeout: int = 30000,
     *,
     timeout: timedelta | None = None,
+    check_args: bool = False,
 ) -> None:
     """Declare from the driver that ``actors`` form a group; each builds it on first use.
 
@@ -193,6 +219,7 @@ def declare_collective_group(
         group_name: the group's name, unique among live groups of the job.
         gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
+        check_args: as in ``init_collective_group``; kept in the declaration.
 
     Raises:
         ValueError, TypeError: an argument is invalid.
@@ -217,11 +244,12 @@ def declare_collective_group(
         raise ValueError("actors must be distinct; the same actor appears twice")
     backend = Backend.parse(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
+    check_args = _check_bool(check_args, "check_args")
     _group_class(backend)
     if not ray.is_initialized():
         raise CollectiveError("declare_collective_group needs ray.init() first")
     membership = dict(zip(ids, ranks, strict=True))
-    declaration = Declaration(world_size, backend.value, membership, group_timeout)
+    declaration = Declaration(world_size, backend.value, membership, group_timeout, check_args)
     rendezvous.declare_store(group_name, declaration)
 
 

@@ -88,6 +88,7 @@ class Declaration:
     backend: str
     ranks: dict[str, int]
     timeout: timedelta
+    check_args: bool = False
 
 
 @dataclass

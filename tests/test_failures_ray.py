@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import pytest
 import ray
 
 import collective as col
@@ -117,7 +116,12 @@ def _init_outcome(world_size: int, rank: int, name: str, timeout: timedelta) -> 
             world_size, rank, backend="gloo", group_name=name, timeout=timeout
         )
     except Exception as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - start, col.is_group_initialized(name)
+        return (
+            type(exc).__name__,
+            str(exc),
+            time.monotonic() - start,
+            col.is_group_initialized(name),
+        )
     return "", "", time.monotonic() - start, True
 
 
@@ -188,7 +192,9 @@ def _stale_member_meddles(name: str, incarnation: str) -> dict[str, Any]:
     found["old_group_op_s"] = op_time
     col.destroy_collective_group(name)
     try:
-        col.init_collective_group(2, 1, backend="gloo", group_name=name, timeout=timedelta(seconds=3))
+        col.init_collective_group(
+            2, 1, backend="gloo", group_name=name, timeout=timedelta(seconds=3)
+        )
         found["rejoin"] = "joined"
     except col.CollectiveError as exc:
         found["rejoin"] = str(exc)
