@@ -86,9 +86,9 @@ _FIELDS = {
     "op": lambda s: _OPS[s[_OP]],
     "dtype": lambda s: _DTYPES[s[_DTYPE]] if s[_DTYPE] != _NONE else "none",
     "shape": lambda s: _shape(s) if s[_NDIM] != _NONE else "none",
-    "root": lambda s: str(s[_ROOT]),
+    "root": lambda s: str(s[_ROOT]) if s[_ROOT] != _NONE else "none",
     "reduce op": lambda s: ReduceOp(s[_REDUCE]).name if s[_REDUCE] != _NONE else "none",
-    "list length": lambda s: str(s[_COUNT]),
+    "list length": lambda s: str(s[_COUNT]) if s[_COUNT] != _NONE else "none",
 }
 
 
