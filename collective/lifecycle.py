@@ -78,12 +78,13 @@ def _join_and_build(
     backend: Backend,
     timeout: timedelta,
     check_args: bool = False,
+    declared: bool = False,
 ) -> tuple[BaseGroup, RayRendezvousStore]:
     """Meet the other ranks through the group's store actor and connect to them."""
     cls = _group_class(backend)
     try:
         store, incarnation = rendezvous.join_store(
-            group_name, rank, world_size, backend.value, timeout
+            group_name, rank, world_size, backend.value, timeout, declared
         )
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
@@ -132,6 +133,7 @@ def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | N
         backend,
         declaration.timeout,
         declaration.check_args,
+        declared=True,
     )
 
 

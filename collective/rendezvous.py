@@ -124,9 +124,9 @@ class StoreActor:
         return self._declaration
 
     async def join(
-        self, rank: int, world_size: int, backend: str, actor_id: str
+        self, rank: int, world_size: int, backend: str, actor_id: str, declared: bool = False
     ) -> tuple[str, str]:
-        """Record that ``rank`` has arrived.
+        """Record that ``rank`` has arrived; ``declared`` when building from the declaration.
 
         Returns:
             ``("ok", incarnation)``; ``("retired", holders)`` when this store is
@@ -136,6 +136,11 @@ class StoreActor:
         """
         if self._closed:
             return "retired", "[]"
+        if self._declaration is not None and not declared:
+            return "error", (
+                "it was declared from the driver; its members build it on first use "
+                "and must not call init_collective_group for it"
+            )
         declared = self._declaration
         if declared is not None and declared.ranks.get(actor_id, rank) != rank:
             return "error", (
@@ -292,7 +297,12 @@ def declare_store(group_name: str, declaration: Declaration) -> RayRendezvousSto
 
 
 def join_store(
-    group_name: str, rank: int, world_size: int, backend: str, timeout: timedelta
+    group_name: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta,
+    declared: bool = False,
 ) -> tuple[RayRendezvousStore, str]:
     """Join the store of ``group_name`` as ``rank``, creating the store if needed.
 
@@ -322,7 +332,7 @@ def join_store(
         if remaining <= 0:
             raise TimeoutError(f"the old store of group {group_name!r} was not removed in time")
         try:
-            status, detail = store.call("join", rank, world_size, backend, actor_id)
+            status, detail = store.call("join", rank, world_size, backend, actor_id, declared)
         except CollectiveError:
             continue
         if status == "ok":
