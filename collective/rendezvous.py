@@ -124,9 +124,14 @@ class StoreActor:
         return self._declaration
 
     async def join(
-        self, rank: int, world_size: int, backend: str, actor_id: str, declared: bool = False
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        actor_id: str,
+        from_declaration: bool = False,
     ) -> tuple[str, str]:
-        """Record that ``rank`` has arrived; ``declared`` when building from the declaration.
+        """Record that ``rank`` has arrived, by init or ``from_declaration``.
 
         Returns:
             ``("ok", incarnation)``; ``("retired", holders)`` when this store is
@@ -136,7 +141,7 @@ class StoreActor:
         """
         if self._closed:
             return "retired", "[]"
-        if self._declaration is not None and not declared:
+        if self._declaration is not None and not from_declaration:
             return "error", (
                 "it was declared from the driver; its members build it on first use "
                 "and must not call init_collective_group for it"

@@ -116,7 +116,6 @@ class GlooGroup(BaseGroup):
         self._tcp_store: Any = None
         self._pg: Any = None
         self._watch: FailureWatch | None = None
-        self._abandoned: list[Any] = []
         dist = _dist()
         try:
             self._tcp_store = self._connect_store(store, host)
@@ -203,8 +202,6 @@ class GlooGroup(BaseGroup):
             torch_work.wait(timeout) if timeout is not None else torch_work.wait()
             return
         finished, failure = self._watch.wait(torch_work, timeout)
-        if not finished:
-            self._abandoned.append(torch_work)
         if failure is not None:
             raise self._abort(op, failure)
         if not finished:
@@ -421,28 +418,12 @@ class GlooGroup(BaseGroup):
     def destroy_group(self) -> None:
         """Drop the process group and the TCPStore; their threads and sockets close.
 
-        An op abandoned after another rank's failure still runs in gloo until its
-        timeout, and releasing the process group would join gloo's threads with the
-        GIL held. Such a group is released on a daemon thread once those ops end,
-        and this returns at once.
+        Returns at once, even with ops given up on after a failure still in gloo.
         """
+        pg, self._pg, self._tcp_store = self._pg, None, None
         if self._watch is not None:
             self._watch.stop()
-        pg, self._pg, self._tcp_store = self._pg, None, None
-        abandoned, self._abandoned = self._abandoned, []
-        if pg is not None and abandoned:
-            threading.Thread(target=_release, args=([pg], abandoned), daemon=True).start()
-
-
-def _release(holder: list[Any], abandoned: list[Any]) -> None:
-    """Wait for the ``abandoned`` torch works to end, then drop the process group."""
-    for torch_work in abandoned:
-        try:
-            torch_work.wait()
-        except RuntimeError:
-            pass
-    abandoned.clear()
-    holder.clear()
+            self._watch.release(pg)
 
 
 class _GlooWork(Work):

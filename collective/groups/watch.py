@@ -32,6 +32,17 @@ def abort_key(rank: int) -> str:
     return f"abort/{rank}"
 
 
+def _release(holder: list[Any], abandoned: list[Any]) -> None:
+    """Wait for the ``abandoned`` torch works to end, then drop what ``holder`` holds."""
+    for work in abandoned:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
+    abandoned.clear()
+    holder.clear()
+
+
 class FailureWatch:
     """Watch one rank's abort key, and report this rank's failures to the others."""
 
@@ -44,6 +55,7 @@ class FailureWatch:
         self._lock = threading.Lock()
         self._waiters: set[threading.Event] = set()
         self._failure: str | None = None
+        self._abandoned: list[Any] = []
         self._stopped = False
         self._thread = threading.Thread(
             target=self._watch, name=f"collective-watch-{group_name}", daemon=True
@@ -112,7 +124,20 @@ class FailureWatch:
             with self._lock:
                 self._waiters.discard(done)
         finished = finished and (self._failure is None or work.is_completed())
+        if not finished:
+            self._abandoned.append(work)
         return finished, None if finished else self._failure
+
+    def release(self, pg: Any) -> None:
+        """Drop the process group ``pg`` now, or once the ops this rank gave up on end.
+
+        A wait given up on leaves its op running in gloo until the op's timeout,
+        and dropping the process group joins gloo's threads with the GIL held. So
+        the last reference then goes to a daemon thread that waits for those ops.
+        """
+        abandoned, self._abandoned = self._abandoned, []
+        if abandoned:
+            threading.Thread(target=_release, args=([pg], abandoned), daemon=True).start()
 
     def stop(self) -> None:
         """End the watch thread; the group no longer hears of other ranks' failures."""
