@@ -117,11 +117,16 @@ def check_disjoint(
                 raise ValueError(f"{name} and {other_name} share memory; pass distinct buffers")
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """Return ``value`` if it is a bool, else raise ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_call(timeout: Any, async_op: Any) -> tuple[timedelta | None, bool]:
     """Return the per-call ``(timeout, async_op)`` every op's options end with, checked."""
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
-    return check_timeout(timeout), async_op
+    return check_timeout(timeout), check_bool(async_op, "async_op")
 
 
 def check_reduce_op(group: BaseGroup, op: Any, spec: TensorSpec) -> ReduceOp:

@@ -8,8 +8,10 @@ from typing import Any
 
 from collective import checks, registry, rendezvous
 from collective.groups.base import BaseGroup
+from collective.incarnation import IncarnationStore
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
+from collective.signature import CheckedGroup
 from collective.types import (
     Backend,
     CollectiveError,
@@ -52,16 +54,26 @@ def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
 
 
 def _join_and_build(
-    group_name: str, rank: int, world_size: int, backend: str, timeout: timedelta
+    group_name: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta,
+    check_args: bool = False,
+    declared: bool = False,
 ) -> tuple[BaseGroup, RayRendezvousStore]:
     """Meet the other ranks through the group's store actor and connect to them."""
     cls = registry.group_class(backend)
     try:
-        store, _ = rendezvous.join_store(group_name, rank, world_size, backend, timeout)
+        store, incarnation = rendezvous.join_store(
+            group_name, rank, world_size, backend, timeout, declared
+        )
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
     try:
-        group = cls(world_size, rank, group_name, store, timeout, node_ip())
+        group = cls(
+            world_size, rank, group_name, IncarnationStore(store, incarnation), timeout, node_ip()
+        )
     except CollectiveTimeoutError as exc:
         detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
         rendezvous.leave_store(store, rank)
@@ -69,7 +81,7 @@ def _join_and_build(
     except BaseException:
         rendezvous.leave_store(store, rank)
         raise
-    return group, store
+    return (CheckedGroup(group) if check_args else group), store
 
 
 def create_group(group_name: str, build: Callable[[], tuple[BaseGroup, Any]]) -> None:
@@ -105,7 +117,13 @@ def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | N
         return None
     declaration, rank = found
     return _join_and_build(
-        group_name, rank, declaration.world_size, declaration.backend, declaration.timeout
+        group_name,
+        rank,
+        declaration.world_size,
+        declaration.backend,
+        declaration.timeout,
+        declaration.check_args,
+        declared=True,
     )
 
 
@@ -145,6 +163,7 @@ def init_collective_group(
     gloo_timeout: int = 30000,
     *,
     timeout: timedelta | None = None,
+    check_args: bool = False,
 ) -> None:
     """Join this actor to a collective group as ``rank``; blocks until all ranks arrive.
 
@@ -156,6 +175,9 @@ def init_collective_group(
         group_name: the group's name, unique among live groups of the job.
         gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
+        check_args: before every op, compare the ranks' arguments (op, dtype, shape,
+            root, reduce op) over the group and raise ``ValueError`` on every rank if
+            they differ. Costs one small allgather per op.
 
     Raises:
         ValueError, TypeError: an argument is invalid.
@@ -168,10 +190,12 @@ def init_collective_group(
     checks.check_rank(rank, world_size)
     backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
+    check_args = checks.check_bool(check_args, "check_args")
     registry.group_class(backend)
     _require_ray_worker("init_collective_group")
     create_group(
-        group_name, lambda: _join_and_build(group_name, rank, world_size, backend, group_timeout)
+        group_name,
+        lambda: _join_and_build(group_name, rank, world_size, backend, group_timeout, check_args),
     )
 
 
@@ -184,6 +208,7 @@ def declare_collective_group(
     gloo_timeout: int = 30000,
     *,
     timeout: timedelta | None = None,
+    check_args: bool = False,
 ) -> None:
     """Declare from the driver that ``actors`` form a group; each builds it on first use.
 
@@ -199,6 +224,7 @@ def declare_collective_group(
         group_name: the group's name, unique among live groups of the job.
         gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
+        check_args: as in ``init_collective_group``; kept in the declaration.
 
     Raises:
         ValueError, TypeError: an argument is invalid.
@@ -221,13 +247,14 @@ def declare_collective_group(
         ids.append(actor._ray_actor_id.hex())
     if len(set(ids)) != len(ids):
         raise ValueError("actors must be distinct; the same actor appears twice")
+    check_args = checks.check_bool(check_args, "check_args")
     if not ray.is_initialized():
         raise CollectiveError("declare_collective_group needs ray.init() first")
     backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
     registry.group_class(backend, here=False)
     membership = dict(zip(ids, ranks, strict=True))
-    declaration = Declaration(world_size, backend, membership, group_timeout)
+    declaration = Declaration(world_size, backend, membership, group_timeout, check_args)
     rendezvous.declare_store(group_name, declaration)
 
 
@@ -239,14 +266,18 @@ def destroy_collective_group(group_name: str = "default") -> None:
 
     In a member this closes the group's connections. The group's store actor is
     removed once every member that joined has left, or at once when this is called
-    outside an actor. Destroying a group that does not exist does nothing.
+    outside an actor or on a group broken by a failure (its dead members would
+    never leave). Destroying a group that does not exist does nothing.
     """
     checks.check_group_name(group_name)
     entry = _manager.remove(group_name)
     if entry is not None:
         group, store = entry
+        broken = getattr(group, "error", None) is not None
         group.destroy_group()
-        if isinstance(store, RayRendezvousStore):
+        if isinstance(store, RayRendezvousStore) and broken:
+            rendezvous.kill_store(store)
+        elif isinstance(store, RayRendezvousStore):
             rendezvous.leave_store(store, group.rank)
         return
     ray = _ray()

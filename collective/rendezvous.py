@@ -40,6 +40,15 @@ class RendezvousStore(ABC):
     def delete(self, key: str) -> None:
         """Remove ``key`` if it is present."""
 
+    @property
+    def incarnation(self) -> str:
+        """Return the id of the group incarnation this store's keys belong to; "" if none."""
+        return ""
+
+    def watcher(self) -> RendezvousStore:
+        """Return a store a second thread may block on while this one is in use."""
+        return self
+
 
 class TCPRendezvousStore(RendezvousStore):
     """A ``RendezvousStore`` on a torch ``TCPStore``, for use without Ray."""
@@ -65,6 +74,10 @@ class TCPRendezvousStore(RendezvousStore):
     def delete(self, key: str) -> None:
         """Remove ``key`` if it is present."""
         self._store.delete_key(key)
+
+    def watcher(self) -> RendezvousStore:
+        """Return a store on a connection of its own; a TCPStore serialises its calls."""
+        return TCPRendezvousStore(self._store.clone())
 
 
 class PrefixedRendezvousStore(RendezvousStore):
@@ -96,6 +109,7 @@ class Declaration:
     backend: str
     ranks: dict[str, int]
     timeout: timedelta
+    check_args: bool = False
 
 
 @dataclass
@@ -131,9 +145,14 @@ class StoreActor:
         return self._declaration
 
     async def join(
-        self, rank: int, world_size: int, backend: str, actor_id: str
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        actor_id: str,
+        from_declaration: bool = False,
     ) -> tuple[str, str]:
-        """Record that ``rank`` has arrived.
+        """Record that ``rank`` has arrived, by init or ``from_declaration``.
 
         Returns:
             ``("ok", incarnation)``; ``("retired", holders)`` when this store is
@@ -143,6 +162,11 @@ class StoreActor:
         """
         if self._closed:
             return "retired", "[]"
+        if self._declaration is not None and not from_declaration:
+            return "error", (
+                "it was declared from the driver; its members build it on first use "
+                "and must not call init_collective_group for it"
+            )
         declared = self._declaration
         if declared is not None and declared.ranks.get(actor_id, rank) != rank:
             return "error", (
@@ -317,7 +341,12 @@ def declare_store(group_name: str, declaration: Declaration) -> RayRendezvousSto
 
 
 def join_store(
-    group_name: str, rank: int, world_size: int, backend: str, timeout: timedelta
+    group_name: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta,
+    declared: bool = False,
 ) -> tuple[RayRendezvousStore, str]:
     """Join the store of ``group_name`` as ``rank``, creating the store if needed.
 
@@ -347,7 +376,7 @@ def join_store(
         if remaining <= 0:
             raise TimeoutError(f"the old store of group {group_name!r} was not removed in time")
         try:
-            status, detail = store.call("join", rank, world_size, backend, actor_id)
+            status, detail = store.call("join", rank, world_size, backend, actor_id, declared)
         except CollectiveError:
             continue
         if status == "ok":

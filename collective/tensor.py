@@ -77,6 +77,11 @@ def spec(x: Any, name: str) -> TensorSpec:
     return TensorSpec(kind, tuple(int(d) for d in shape), dtype, device)
 
 
+def int64_array(values: list[int]) -> Any:
+    """Return a new int64 numpy array holding ``values``, for small control messages."""
+    return np.array(values, dtype=np.int64)
+
+
 def _layout(x: Any) -> tuple[int, int, list[tuple[int, int]]]:
     """Return ``x``'s start address, item size and ``(size, byte_stride)`` per dimension."""
     if _is_torch(x):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from collective.groups.base import BaseGroup
 from collective.groups.gloo_work import GlooWork, commit_all
+from collective.groups.watch import FailureWatch
 from collective.rendezvous import RendezvousStore
 from collective.tensor import DTYPES, CpuBuffer
 from collective.types import (
@@ -33,6 +35,9 @@ from collective.work import Work
 
 ADDRESS_KEY = "gloo/address"
 """Store key under which rank 0 publishes its TCPStore's ``host:port``."""
+
+ARRIVED_KEY = "gloo/arrived/{rank}"
+"""Store key each rank sets once connected to rank 0's TCPStore, before gloo connects."""
 
 _P2P_TAG = 0
 
@@ -105,14 +110,18 @@ class GlooGroup(BaseGroup):
         self._error: CollectiveError | None = None
         self._tcp_store: Any = None
         self._pg: Any = None
+        self._watch: FailureWatch | None = None
         dist = _dist()
         try:
             self._tcp_store = self._connect_store(store, host)
+            self._meet(store)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            prefixed = dist.PrefixStore(f"{group_name}/", self._tcp_store)
+            prefix = "/".join(p for p in (group_name, store.incarnation) if p)
+            prefixed = dist.PrefixStore(f"{prefix}/", self._tcp_store)
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            self._watch = FailureWatch(store, rank, world_size, group_name)
         except TimeoutError as exc:
             self.destroy_group()
             raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
@@ -129,6 +138,20 @@ class GlooGroup(BaseGroup):
         address = store.get(ADDRESS_KEY, self.timeout).decode()
         master, _, port = address.rpartition(":")
         return dist.TCPStore(master, int(port), None, False, self.timeout)
+
+    def _meet(self, store: RendezvousStore) -> None:
+        """Wait in the rendezvous store until every rank has reached rank 0's TCPStore.
+
+        Until every rank is here, each waits on the rendezvous store rather than
+        inside gloo, so a store that dies wakes every waiting rank at once, and a
+        rank that never comes is named by the store. Gloo then connects ranks that
+        are all present.
+        """
+        store.set(ARRIVED_KEY.format(rank=self.rank), b"1")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for rank in range(self.world_size):
+            left = max(deadline - time.monotonic(), 0.0)
+            store.get(ARRIVED_KEY.format(rank=rank), timedelta(seconds=left))
 
     @classmethod
     def backend(cls) -> Backend:
@@ -152,7 +175,33 @@ class GlooGroup(BaseGroup):
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         """Mark the group unusable after ``exc`` and return the error to raise."""
         self._error = self._failure(op, timeout, exc)
+        if self._watch is not None:
+            self._watch.report(str(self._error))
         return self._error
+
+    def _abort(self, op: str, failure: str) -> CollectiveError:
+        """Mark the group unusable because another rank reported ``failure``."""
+        self._error = CollectiveError(
+            f"{op} on group {self.group_name!r} was aborted on rank {self.rank}: {failure}"
+        )
+        return self._error
+
+    def _wait(self, op: str, torch_work: Any, timeout: timedelta | None) -> None:
+        """Wait for a collective up to ``timeout``; raise at once if another rank failed.
+
+        With ``timeout`` None the wait ends with the op, which gloo bounds by the op's
+        own timeout. Point-to-point ops are not watched: torch completes their
+        futures only inside ``wait``, and a dead peer breaks their one connection.
+        """
+        if self._watch is None:
+            torch_work.wait(timeout) if timeout is not None else torch_work.wait()
+            return
+        finished, failure = self._watch.wait(torch_work, timeout)
+        if failure is not None:
+            raise self._abort(op, failure)
+        if not finished:
+            raise TimeoutError(f"timed out waiting {timeout} for the op to complete")
+        torch_work.wait()
 
     def _failure(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         if _is_timeout(exc):
@@ -176,6 +225,8 @@ class GlooGroup(BaseGroup):
         ``finish`` runs once the op has succeeded, to write staged outputs back.
         Any failure leaves the group unusable.
         """
+        if self._error is None and self._watch is not None and self._watch.failure is not None:
+            self._abort(op, self._watch.failure)
         if self._error is not None:
             raise CollectiveError(
                 f"group {self.group_name!r} is unusable after an earlier failure; destroy it "
@@ -188,7 +239,14 @@ class GlooGroup(BaseGroup):
             torch_work = start(options.timeout)
         except RuntimeError as exc:
             raise self._fail(op, timeout, exc) from exc
-        work = GlooWork(lambda t, exc: self._fail(op, t, exc), torch_work, timeout, finish, p2p)
+        work = GlooWork(
+            lambda t, exc: self._fail(op, t, exc),
+            lambda w, t: self._wait(op, w, t),
+            torch_work,
+            timeout,
+            finish,
+            p2p,
+        )
         if not options.async_op:
             work.wait()
         return work
@@ -384,6 +442,11 @@ class GlooGroup(BaseGroup):
         )
 
     def destroy_group(self) -> None:
-        """Drop the process group and the TCPStore; their threads and sockets close."""
-        self._pg = None
-        self._tcp_store = None
+        """Drop the process group and the TCPStore; their threads and sockets close.
+
+        Returns at once, even with ops given up on after a failure still in gloo.
+        """
+        pg, self._pg, self._tcp_store = self._pg, None, None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch.release(pg)

@@ -24,13 +24,20 @@ class GlooWork(Work):
     def __init__(
         self,
         fail: Callable[[timedelta, BaseException], CollectiveError],
+        wait: Callable[[Any, timedelta | None], None],
         torch_work: Any,
         timeout: timedelta,
         finish: Callable[[], None],
         p2p: bool,
     ) -> None:
-        """Track ``torch_work``; ``fail`` turns its failure into the group's error."""
+        """Track ``torch_work``.
+
+        ``fail`` turns a transport failure into the group's error; ``wait`` waits
+        for a collective (and raises ``CollectiveError`` when another rank failed);
+        point-to-point ops wait on torch's handle directly.
+        """
         self._fail = fail
+        self._wait_collective = wait
         self._torch_work = torch_work
         self._timeout = timeout
         self._finish = finish
@@ -50,11 +57,13 @@ class GlooWork(Work):
     def _complete(self, timeout: timedelta | None) -> None:
         effective = timeout or self._timeout
         try:
-            if self._p2p or timeout is not None:
+            if self._p2p:
                 self._torch_work.wait(effective)
             else:
-                self._torch_work.wait()
-        except RuntimeError as exc:
+                self._wait_collective(self._torch_work, timeout)
+        except CollectiveError as exc:
+            self._error = exc
+        except (RuntimeError, TimeoutError) as exc:
             self._error = self._fail(effective, exc)
         else:
             self._finish()

@@ -1,0 +1,150 @@
+"""FailureWatch: spread one rank's transport failure to every rank of its group at once.
+
+Gloo fails an op quickly on the ranks whose connection to a dead peer breaks, but
+a rank waiting on a live peer that has itself given up only learns at the op's
+timeout: gloo's pending receives are not woken when another pair closes. So a
+rank that sees a failure writes it under every other rank's abort key in the
+group's rendezvous store, and each rank keeps one thread blocked on its own key.
+When the key is set, the thread wakes every wait of that rank's ops.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+from collective.rendezvous import RendezvousStore
+from collective.types import CollectiveError
+
+_STOP = b"\x00stop"
+"""Written under a rank's own abort key to end its watch thread."""
+
+_WATCH_PERIOD = timedelta(hours=1)
+"""How long one blocking read of the abort key lasts before it is issued again."""
+
+_JOIN_S = 10.0
+"""The longest ``stop`` waits for the watch thread to end."""
+
+
+def abort_key(rank: int) -> str:
+    """Return the store key under which failures are reported to ``rank``."""
+    return f"abort/{rank}"
+
+
+def _release(holder: list[Any], abandoned: list[Any]) -> None:
+    """Wait for the ``abandoned`` torch works to end, then drop what ``holder`` holds."""
+    for work in abandoned:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
+    abandoned.clear()
+    holder.clear()
+
+
+class FailureWatch:
+    """Watch one rank's abort key, and report this rank's failures to the others."""
+
+    def __init__(self, store: RendezvousStore, rank: int, world_size: int, group_name: str) -> None:
+        """Start the watch thread of ``rank`` on ``store``."""
+        self._store = store
+        self._watched = store.watcher()
+        self._rank = rank
+        self._world_size = world_size
+        self._lock = threading.Lock()
+        self._waiters: set[threading.Event] = set()
+        self._failure: str | None = None
+        self._abandoned: list[Any] = []
+        self._stopped = False
+        self._thread = threading.Thread(
+            target=self._watch, name=f"collective-watch-{group_name}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def failure(self) -> str | None:
+        """Return what another rank reported, or None while no failure is known."""
+        return self._failure
+
+    def _watch(self) -> None:
+        key = abort_key(self._rank)
+        while not self._stopped:
+            try:
+                value = self._watched.get(key, _WATCH_PERIOD)
+            except TimeoutError:
+                continue
+            except (CollectiveError, RuntimeError):
+                return
+            if value != _STOP:
+                self._fire(value.decode(errors="replace"))
+            return
+
+    def _fire(self, failure: str) -> None:
+        with self._lock:
+            self._failure = failure
+            waiters = list(self._waiters)
+        for event in waiters:
+            event.set()
+
+    def report(self, failure: str) -> None:
+        """Tell every other rank that this one failed with ``failure``; never raises."""
+        if self._failure is not None:
+            return
+        message = f"rank {self._rank} reported: {failure}".encode()
+        for rank in range(self._world_size):
+            if rank == self._rank:
+                continue
+            try:
+                self._store.set(abort_key(rank), message)
+            except (CollectiveError, TimeoutError, RuntimeError):
+                return
+
+    def wait(self, work: Any, timeout: timedelta | None) -> tuple[bool, str | None]:
+        """Wait until the torch ``work`` finishes, a failure is reported, or ``timeout``.
+
+        Returns:
+            Whether ``work`` finished (well or not; its ``wait`` then returns or
+            raises at once), and the failure another rank reported, if any.
+
+        """
+        done = threading.Event()
+        try:
+            work.get_future().add_done_callback(lambda _: done.set())
+        except RuntimeError:
+            work.wait(timeout) if timeout is not None else work.wait()
+            return True, None
+        with self._lock:
+            if self._failure is not None and not done.is_set():
+                return False, self._failure
+            self._waiters.add(done)
+        try:
+            finished = done.wait(None if timeout is None else timeout.total_seconds())
+        finally:
+            with self._lock:
+                self._waiters.discard(done)
+        finished = finished and (self._failure is None or work.is_completed())
+        if not finished:
+            self._abandoned.append(work)
+        return finished, None if finished else self._failure
+
+    def release(self, pg: Any) -> None:
+        """Drop the process group ``pg`` now, or once the ops this rank gave up on end.
+
+        A wait given up on leaves its op running in gloo until the op's timeout,
+        and dropping the process group joins gloo's threads with the GIL held. So
+        the last reference then goes to a daemon thread that waits for those ops.
+        """
+        abandoned, self._abandoned = self._abandoned, []
+        if abandoned:
+            threading.Thread(target=_release, args=([pg], abandoned), daemon=True).start()
+
+    def stop(self) -> None:
+        """End the watch thread; the group no longer hears of other ranks' failures."""
+        self._stopped = True
+        if self._thread.is_alive():
+            try:
+                self._store.set(abort_key(self._rank), _STOP)
+            except (CollectiveError, TimeoutError, RuntimeError):
+                pass
+            self._thread.join(_JOIN_S)

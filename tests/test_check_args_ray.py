@@ -1,0 +1,182 @@
+"""check_args=True: ranks that disagree on an op's arguments all raise ValueError, naming who.
+
+Without the check, gloo does not reliably notice: a dtype or reduce-op mismatch
+returns wrong numbers on every rank, a small shape mismatch returns wrong numbers
+on one rank, and a larger one aborts the process inside gloo. The check is what
+makes such bugs visible, so every case here asserts every rank's error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+import collective as col
+from collective.rendezvous import store_actor_name
+from collective.types import AllToAllOptions
+from tests.conftest import our_named_actors, run_all, unique_name
+
+OP_TIMEOUT = timedelta(seconds=20)
+
+
+def _init(world_size: int, rank: int, name: str) -> None:
+    col.init_collective_group(
+        world_size, rank, backend="gloo", group_name=name, timeout=OP_TIMEOUT, check_args=True
+    )
+
+
+def _destroy(name: str) -> None:
+    col.destroy_collective_group(name)
+
+
+def _outcome(fn: Callable[..., Any], rank: int, name: str) -> str:
+    """Run ``fn(rank, name)`` and return the ValueError's message, or "ok"."""
+    try:
+        fn(rank, name)
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
+def _sum(rank: int, name: str) -> float:
+    x = np.full(4, rank + 1.0)
+    col.allreduce(x, name)
+    return float(x.sum())
+
+
+@pytest.fixture(scope="module")
+def trio(members: list) -> Iterator[tuple[list, str]]:
+    """Yield three members in one checked group, destroyed at the end."""
+    actors, name = members[:3], unique_name("checked")
+    run_all(actors, _init, [3] * 3, range(3), [name] * 3)
+    yield actors, name
+    run_all(actors, _destroy, [name] * 3)
+    assert our_named_actors() == []
+
+
+def _shape(rank: int, name: str) -> None:
+    col.allreduce(np.ones(3 if rank == 2 else 4, dtype=np.float32), name)
+
+
+def _dtype(rank: int, name: str) -> None:
+    col.allreduce(np.ones(4, dtype=np.float64 if rank == 1 else np.float32), name)
+
+
+def _reduce_op(rank: int, name: str) -> None:
+    col.allreduce(np.ones(4), name, col.ReduceOp.MAX if rank == 0 else col.ReduceOp.SUM)
+
+
+def _which_op(rank: int, name: str) -> None:
+    if rank == 1:
+        col.broadcast(np.ones(4), 0, name)
+    else:
+        col.allreduce(np.ones(4), name)
+
+
+def _root(rank: int, name: str) -> None:
+    col.broadcast(np.ones(4), rank % 2, name)
+
+
+def _alltoall(rank: int, name: str) -> None:
+    group = col.get_group_handle(name)
+    sizes = [2, 2, 3 if rank == 0 else 2]
+    inputs = [np.ones(s, dtype=np.float32) for s in sizes]
+    outputs = [np.zeros(2, dtype=np.float32) for _ in range(3)]
+    group.alltoall(outputs, inputs, AllToAllOptions()).wait()
+
+
+CASES = {
+    "shape": (_shape, ["shape", "(4,) on ranks [0, 1]", "(3,) on rank 2"]),
+    "dtype": (_dtype, ["dtype", "float32 on ranks [0, 2]", "float64 on rank 1"]),
+    "reduce_op": (_reduce_op, ["reduce op", "MAX on rank 0", "SUM on ranks [1, 2]"]),
+    "op": (_which_op, ["op: allreduce on ranks [0, 2]", "broadcast on rank 1"]),
+    "root": (_root, ["root: 0 on ranks [0, 2]", "1 on rank 1"]),
+    "alltoall": (_alltoall, ["rank 2 expects 2 elements from rank 0, which sends it 3"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_raises_naming_the_ranks_that_differ(case: str, trio: tuple[list, str]) -> None:
+    actors, name = trio
+    fn, expected = CASES[case]
+    messages = run_all(actors, _outcome, [fn] * 3, range(3), [name] * 3)
+    for message in messages:
+        assert name in message and "different arguments" in message, message
+        for part in expected:
+            assert part in message, (part, message)
+    assert len({m.split(": ", 1)[1] for m in messages}) == 1
+    # Nothing moved and nothing broke: the group still reduces correctly.
+    assert run_all(actors, _sum, range(3), [name] * 3) == [24.0] * 3
+
+
+def _p2p(rank: int, name: str) -> str:
+    if rank == 0:
+        return _outcome(lambda r, n: col.send(np.ones(4, dtype=np.float32), 1, n), rank, name)
+    return _outcome(lambda r, n: col.recv(np.ones(5, dtype=np.float32), 0, n), rank, name)
+
+
+def test_send_and_recv_both_raise_on_a_mismatch(trio: tuple[list, str]) -> None:
+    actors, name = trio
+    messages = ray.get([a.run.remote(_p2p, r, name) for r, a in enumerate(actors[:2])], timeout=60)
+    for message in messages:
+        assert "shape: (4,) on rank 0, (5,) on rank 1" in message or (
+            "shape: (5,) on rank 1, (4,) on rank 0" in message
+        ), message
+
+
+def test_matching_arguments_pass_the_check(trio: tuple[list, str]) -> None:
+    actors, name = trio
+
+    def many(rank: int, name: str) -> list[float]:
+        x = np.full(4, rank + 1.0)
+        col.broadcast(x, 2, name)
+        parts = [np.zeros(4) for _ in range(3)]
+        col.allgather(parts, np.full(4, float(rank)), name)
+        col.barrier(name)
+        return [float(x[0])] + [float(p[0]) for p in parts]
+
+    assert run_all(actors, many, range(3), [name] * 3) == [[3.0, 0.0, 1.0, 2.0]] * 3
+
+
+def test_declared_group_keeps_check_args(members: list) -> None:
+    actors, name = members[:2], unique_name("declchecked")
+    col.declare_collective_group(
+        actors, 2, [0, 1], backend="gloo", group_name=name, timeout=OP_TIMEOUT, check_args=True
+    )
+    try:
+        messages = run_all(actors, _outcome, [_dtype] * 2, range(2), [name] * 2)
+        assert all("float64 on rank 1" in m for m in messages), messages
+    finally:
+        run_all(actors, _destroy, [name] * 2)
+        col.destroy_collective_group(name)
+    assert store_actor_name(name) not in our_named_actors()
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_check_args_must_be_a_bool(value: Any, members: list) -> None:
+    with pytest.raises(TypeError, match="check_args must be a bool"):
+        col.declare_collective_group(
+            members[:2], 2, [0, 1], backend="gloo", group_name=unique_name(), check_args=value
+        )
+
+
+def _unchecked(rank: int, name: str) -> list[float]:
+    col.init_collective_group(2, rank, backend="gloo", group_name=name, timeout=OP_TIMEOUT)
+    x = np.full(4, float(rank + 1))
+    col.allreduce(x, name, col.ReduceOp.MAX if rank == 0 else col.ReduceOp.SUM)
+    col.destroy_collective_group(name)
+    return x.tolist()
+
+
+def test_without_the_check_a_reduce_op_mismatch_goes_unnoticed(members: list) -> None:
+    """Document the unchecked behaviour: no error, and numbers that are neither answer."""
+    name = unique_name("unchecked")
+    results = run_all(members[:2], _unchecked, [0, 1], [name, name])
+    assert results[0] == results[1]
+    assert results[0] not in ([2.0] * 4, [3.0] * 4)
+    assert store_actor_name(name) not in our_named_actors()

@@ -1,0 +1,101 @@
+"""FailureWatch and IncarnationStore on gloo groups whose ranks are threads over a TCPStore."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from collective.groups.gloo import GlooGroup
+from collective.incarnation import IncarnationStore
+from collective.rendezvous import TCPRendezvousStore
+from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError
+from tests.test_gloo_group import GROUP_TIMEOUT, _client_store, _master_store, _run_threads
+
+JOIN_S = 60.0
+
+
+def _build(master: Any, world_size: int, name: str, incarnation: str = "") -> list[GlooGroup]:
+    """Build one group of ``world_size`` thread ranks and return every rank's group."""
+
+    def rank(r: int) -> GlooGroup:
+        raw = TCPRendezvousStore(master if r == 0 else _client_store(master, GROUP_TIMEOUT))
+        store = IncarnationStore(raw, incarnation) if incarnation else raw
+        return GlooGroup(world_size, r, name, store, GROUP_TIMEOUT, host="127.0.0.1")
+
+    return _run_threads([lambda r=r: rank(r) for r in range(world_size)], JOIN_S)
+
+
+def test_one_ranks_timeout_wakes_a_rank_waiting_on_a_live_peer() -> None:
+    """Rank 2 never joins the op. Rank 0 gives up after 1 s; rank 1 would wait 20 s alone."""
+    groups = _build(_master_store(), 3, "watch")
+    try:
+        short, long = timedelta(seconds=1), timedelta(seconds=20)
+        outcomes: dict[int, tuple[BaseException | None, float]] = {}
+
+        def call(rank: int, timeout: timedelta) -> None:
+            start = time.monotonic()
+            try:
+                groups[rank].allreduce([np.ones(8)], AllReduceOptions(timeout=timeout))
+                outcomes[rank] = (None, time.monotonic() - start)
+            except CollectiveError as exc:
+                outcomes[rank] = (exc, time.monotonic() - start)
+
+        threads = [threading.Thread(target=call, args=a) for a in ((0, short), (1, long))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(JOIN_S)
+        error0, elapsed0 = outcomes[0]
+        error1, elapsed1 = outcomes[1]
+        assert type(error0) is CollectiveTimeoutError, repr(error0)
+        assert type(error1) is CollectiveError, repr(error1)
+        assert "aborted on rank 1" in str(error1) and "rank 0 reported" in str(error1)
+        assert elapsed1 < elapsed0 + 3.0 < long.total_seconds()
+        # Rank 2 took no part, yet its group is broken too: its next op raises at once.
+        start = time.monotonic()
+        try:
+            groups[2].allreduce([np.ones(8)], AllReduceOptions())
+        except CollectiveError as exc:
+            assert "unusable" in str(exc)
+        else:
+            raise AssertionError("rank 2's op on a broken group did not raise")
+        assert time.monotonic() - start < 1.0
+    finally:
+        for group in groups:
+            group.destroy_group()
+
+
+def test_destroy_ends_the_watch_thread() -> None:
+    before = {t.name for t in threading.enumerate()}
+    groups = _build(_master_store(), 2, "stopwatch")
+    watchers = [t for t in threading.enumerate() if t.name == "collective-watch-stopwatch"]
+    assert len(watchers) == 2
+    for group in groups:
+        group.destroy_group()
+    assert all(not t.is_alive() for t in watchers)
+    assert {t.name for t in threading.enumerate()} <= before | {"MainThread"}
+
+
+def test_two_incarnations_of_one_name_share_a_store_without_mixing() -> None:
+    master = _master_store()
+    old = _build(master, 2, "same", incarnation="old")
+    new = _build(master, 2, "same", incarnation="new")
+    try:
+
+        def reduce(groups: list[GlooGroup], base: float) -> list[list[float]]:
+            def rank(r: int) -> list[float]:
+                x = np.full(4, base + r)
+                groups[r].allreduce([x], AllReduceOptions())
+                return x.tolist()
+
+            return _run_threads([lambda r=r: rank(r) for r in range(2)], JOIN_S)
+
+        assert reduce(new, 10.0) == [[21.0] * 4] * 2
+        assert reduce(old, 1.0) == [[3.0] * 4] * 2
+    finally:
+        for group in old + new:
+            group.destroy_group()
