@@ -100,6 +100,40 @@ class PrefixedRendezvousStore(RendezvousStore):
         """Remove the prefixed ``key`` if it is present."""
         self._store.delete(self._prefix + key)
 
+    @property
+    def incarnation(self) -> str:
+        """Return the incarnation id of the wrapped store."""
+        return self._store.incarnation
+
+    def watcher(self) -> RendezvousStore:
+        """Return the same view over a store a second thread may block on."""
+        return PrefixedRendezvousStore(self._store.watcher(), self._prefix)
+
+
+def meet(
+    store: RendezvousStore, prefix: str, rank: int, world_size: int, timeout: timedelta
+) -> None:
+    """Block until every rank has called ``meet`` with ``prefix``, or ``timeout`` passes.
+
+    Each rank marks its arrival; rank 0 waits for all marks, then says ready.
+
+    Raises:
+        TimeoutError: not every rank arrived in time.
+
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+
+    def left() -> timedelta:
+        return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+    store.set(f"{prefix}/arrived/{rank}", b"1")
+    if rank != 0:
+        store.get(f"{prefix}/ready", left())
+        return
+    for peer in range(1, world_size):
+        store.get(f"{prefix}/arrived/{peer}", left())
+    store.set(f"{prefix}/ready", b"1")
+
 
 @dataclass(frozen=True)
 class Declaration:

@@ -138,9 +138,22 @@ class CheckedGroup(BaseGroup):
         """Return the wrapped group's failure, or None if it is healthy."""
         return getattr(self._inner, "error", None)
 
-    def backend(self) -> Backend:  # type: ignore[override]
+    def backend(self) -> Backend | str:  # type: ignore[override]
         """Return the wrapped group's backend."""
         return self._inner.backend()
+
+    def backend_name(self) -> str:  # type: ignore[override]
+        """Return the wrapped group's backend name."""
+        return self._inner.backend_name()
+
+    @property
+    def device_type(self) -> str:  # type: ignore[override]
+        """Return the device kind the wrapped group takes."""
+        return self._inner.device_type
+
+    def check_reduce_op(self, op: ReduceOp, dtype: str) -> None:
+        """Reject a reduction the wrapped group cannot apply to ``dtype``."""
+        self._inner.check_reduce_op(op, dtype)
 
     @classmethod
     def check_backend_availability(cls) -> bool:

@@ -3,7 +3,8 @@
 Every member of the parent calls ``new_group`` with the same ranks, in the same
 order of calls. The members of the subgroup meet through the parent's store,
 under keys no other subgroup uses, and connect a transport of the parent's
-backend; the other ranks only count the call.
+backend (checking arguments across ranks if the parent does); the other ranks
+only count the call.
 """
 
 from __future__ import annotations

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import functools
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from collective.groups.base import BaseGroup
-from collective.groups.gloo_work import GlooWork, commit_all
+from collective.groups.gloo_work import (
+    GlooWork,
+    c10d,
+    c10d_reduce_op,
+    call_options,
+    commit_all,
+    is_timeout,
+)
 from collective.groups.watch import FailureWatch
-from collective.rendezvous import RendezvousStore
+from collective.rendezvous import RendezvousStore, meet
 from collective.tensor import DTYPES, CpuBuffer
 from collective.types import (
     DEFAULT_TIMEOUT,
@@ -25,7 +30,6 @@ from collective.types import (
     CollectiveTimeoutError,
     GatherOptions,
     RecvOptions,
-    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
@@ -36,47 +40,7 @@ from collective.work import Work
 ADDRESS_KEY = "gloo/address"
 """Store key under which rank 0 publishes its TCPStore's ``host:port``."""
 
-ARRIVED_KEY = "gloo/arrived/{rank}"
-"""Store key each rank sets once connected to rank 0's TCPStore, before gloo connects."""
-
 _P2P_TAG = 0
-
-
-@functools.cache
-def _dist() -> Any:
-    try:
-        import torch.distributed as dist
-    except ImportError as exc:
-        raise CollectiveError(
-            "the gloo backend needs torch with torch.distributed: pip install torch"
-        ) from exc
-    if not dist.is_available() or not dist.is_gloo_available():
-        raise CollectiveError(
-            "this torch build has no gloo support; install a standard torch wheel"
-        )
-    return dist
-
-
-def _options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
-    """Build torch's ``<kind>Options`` for one gloo call with ``timeout`` and ``fields``.
-
-    With ``timeout`` None the call keeps gloo's default: the group's timeout.
-    """
-    options = getattr(_dist().distributed_c10d, f"{kind}Options")()
-    if timeout is not None:
-        options.timeout = timeout
-    for name, value in fields.items():
-        setattr(options, name, value)
-    return options
-
-
-def _reduce_op(op: ReduceOp) -> Any:
-    return getattr(_dist().ReduceOp, op.name)
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
 
 
 class GlooGroup(BaseGroup):
@@ -111,10 +75,10 @@ class GlooGroup(BaseGroup):
         self._tcp_store: Any = None
         self._pg: Any = None
         self._watch: FailureWatch | None = None
-        dist = _dist()
+        dist = c10d()
         try:
             self._tcp_store = self._connect_store(store, host)
-            self._meet(store)
+            meet(store, "gloo", rank, world_size, timeout)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -130,7 +94,7 @@ class GlooGroup(BaseGroup):
             raise self._failure("init", timeout, exc) from exc
 
     def _connect_store(self, store: RendezvousStore, host: str) -> Any:
-        dist = _dist()
+        dist = c10d()
         if self.rank == 0:
             tcp_store = dist.TCPStore(host, 0, None, True, self.timeout, wait_for_workers=False)
             store.set(ADDRESS_KEY, f"{host}:{tcp_store.port}".encode())
@@ -138,20 +102,6 @@ class GlooGroup(BaseGroup):
         address = store.get(ADDRESS_KEY, self.timeout).decode()
         master, _, port = address.rpartition(":")
         return dist.TCPStore(master, int(port), None, False, self.timeout)
-
-    def _meet(self, store: RendezvousStore) -> None:
-        """Wait in the rendezvous store until every rank has reached rank 0's TCPStore.
-
-        Until every rank is here, each waits on the rendezvous store rather than
-        inside gloo, so a store that dies wakes every waiting rank at once, and a
-        rank that never comes is named by the store. Gloo then connects ranks that
-        are all present.
-        """
-        store.set(ARRIVED_KEY.format(rank=self.rank), b"1")
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        for rank in range(self.world_size):
-            left = max(deadline - time.monotonic(), 0.0)
-            store.get(ARRIVED_KEY.format(rank=rank), timedelta(seconds=left))
 
     @classmethod
     def backend(cls) -> Backend:
@@ -162,7 +112,7 @@ class GlooGroup(BaseGroup):
     def check_backend_availability(cls) -> bool:
         """Return whether torch with gloo support is importable."""
         try:
-            _dist()
+            c10d()
         except CollectiveError:
             return False
         return True
@@ -204,7 +154,7 @@ class GlooGroup(BaseGroup):
         torch_work.wait()
 
     def _failure(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
-        if _is_timeout(exc):
+        if is_timeout(exc):
             return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, str(exc))
         return CollectiveError(
             f"{op} on group {self.group_name!r} failed on rank {self.rank}: {exc}"
@@ -266,17 +216,17 @@ class GlooGroup(BaseGroup):
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""
         buf = self._one(tensors, "tensor", writable=True)
-        op = _reduce_op(options.reduce_op)
+        op = c10d_reduce_op(options.reduce_op)
         return self._run(
             "allreduce",
             options,
-            lambda t: self._pg.allreduce([buf.tensor], _options("Allreduce", t, reduceOp=op)),
+            lambda t: self._pg.allreduce([buf.tensor], call_options("Allreduce", t, reduceOp=op)),
             buf.commit,
         )
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier."""
-        return self._run("barrier", options, lambda t: self._pg.barrier(_options("Barrier", t)))
+        return self._run("barrier", options, lambda t: self._pg.barrier(call_options("Barrier", t)))
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged.
@@ -286,11 +236,13 @@ class GlooGroup(BaseGroup):
         is_root = self.rank == options.root_rank
         buf = self._one(tensors, "tensor", writable=is_root)
         tensor = buf.tensor if is_root else buf.tensor.clone()
-        op, root = _reduce_op(options.reduce_op), options.root_rank
+        op, root = c10d_reduce_op(options.reduce_op), options.root_rank
         return self._run(
             "reduce",
             options,
-            lambda t: self._pg.reduce([tensor], _options("Reduce", t, reduceOp=op, rootRank=root)),
+            lambda t: self._pg.reduce(
+                [tensor], call_options("Reduce", t, reduceOp=op, rootRank=root)
+            ),
             buf.commit,
         )
 
@@ -301,7 +253,7 @@ class GlooGroup(BaseGroup):
         return self._run(
             "broadcast",
             options,
-            lambda t: self._pg.broadcast([buf.tensor], _options("Broadcast", t, rootRank=root)),
+            lambda t: self._pg.broadcast([buf.tensor], call_options("Broadcast", t, rootRank=root)),
             buf.commit,
         )
 
@@ -318,7 +270,7 @@ class GlooGroup(BaseGroup):
         return self._run(
             "allgather",
             options,
-            lambda t: self._pg.allgather(out, [source.tensor], _options("Allgather", t)),
+            lambda t: self._pg.allgather(out, [source.tensor], call_options("Allgather", t)),
             lambda: commit_all(outputs),
         )
 
@@ -334,12 +286,12 @@ class GlooGroup(BaseGroup):
         """
         output = self._one(tensors, "tensor", writable=True)
         inputs = self._list(tensor_lists, "tensor_list", writable=False)
-        op, chunks = _reduce_op(options.reduce_op), [[i.tensor for i in inputs]]
+        op, chunks = c10d_reduce_op(options.reduce_op), [[i.tensor for i in inputs]]
         return self._run(
             "reducescatter",
             options,
             lambda t: self._pg.reduce_scatter(
-                [output.tensor], chunks, _options("ReduceScatter", t, reduceOp=op)
+                [output.tensor], chunks, call_options("ReduceScatter", t, reduceOp=op)
             ),
             output.commit,
         )
@@ -379,7 +331,9 @@ class GlooGroup(BaseGroup):
         return self._run(
             "gather",
             options,
-            lambda t: self._pg.gather(out, [source.tensor], _options("Gather", t, rootRank=root)),
+            lambda t: self._pg.gather(
+                out, [source.tensor], call_options("Gather", t, rootRank=root)
+            ),
             lambda: commit_all(outputs),
         )
 
@@ -398,7 +352,7 @@ class GlooGroup(BaseGroup):
             "scatter",
             options,
             lambda t: self._pg.scatter(
-                [output.tensor], chunks, _options("Scatter", t, rootRank=root)
+                [output.tensor], chunks, call_options("Scatter", t, rootRank=root)
             ),
             output.commit,
         )
@@ -418,7 +372,7 @@ class GlooGroup(BaseGroup):
             return self._run(
                 "alltoall",
                 options,
-                lambda t: self._pg.alltoall(out, sent, _options("AllToAll", t)),
+                lambda t: self._pg.alltoall(out, sent, call_options("AllToAll", t)),
                 lambda: commit_all(outs),
             )
         import torch
@@ -436,7 +390,7 @@ class GlooGroup(BaseGroup):
             "alltoall",
             options,
             lambda t: self._pg.alltoall_base(
-                flat_out, flat_in, out_splits, in_splits, _options("AllToAll", t)
+                flat_out, flat_in, out_splits, in_splits, call_options("AllToAll", t)
             ),
             finish,
         )

@@ -1,15 +1,56 @@
-"""GlooWork: the handle of one gloo op in flight, over torch's ``Work``."""
+"""Torch plumbing for GlooGroup: the c10d module, per-call options and ``GlooWork``."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from collective.tensor import CpuBuffer
-from collective.types import CollectiveError
+from collective.types import CollectiveError, ReduceOp
 from collective.work import Work
+
+
+@functools.cache
+def c10d() -> Any:
+    """Return ``torch.distributed``, or raise what to install when it is unusable."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise CollectiveError(
+            "the gloo backend needs torch with torch.distributed: pip install torch"
+        ) from exc
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise CollectiveError(
+            "this torch build has no gloo support; install a standard torch wheel"
+        )
+    return dist
+
+
+def call_options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
+    """Build torch's ``<kind>Options`` for one gloo call with ``timeout`` and ``fields``.
+
+    With ``timeout`` None the call keeps gloo's default: the group's timeout.
+    """
+    options = getattr(c10d().distributed_c10d, f"{kind}Options")()
+    if timeout is not None:
+        options.timeout = timeout
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+def c10d_reduce_op(op: ReduceOp) -> Any:
+    """Return torch's ``ReduceOp`` for ``op``."""
+    return getattr(c10d().ReduceOp, op.name)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Return whether torch's error ``exc`` reports a timeout."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def commit_all(buffers: Sequence[CpuBuffer]) -> None:

@@ -131,31 +131,6 @@ def exchange_unique_id(
         raise CollectiveTimeoutError("nccl init", group_name, rank, timeout, detail) from exc
 
 
-def meet(
-    store: RendezvousStore, prefix: str, rank: int, world_size: int, timeout: timedelta
-) -> None:
-    """Block until every rank has called ``meet`` with ``prefix``, or ``timeout`` passes.
-
-    Each rank marks its arrival; rank 0 waits for all marks, then says ready.
-
-    Raises:
-        TimeoutError: not every rank arrived in time.
-
-    """
-    deadline = time.monotonic() + timeout.total_seconds()
-
-    def left() -> timedelta:
-        return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-
-    store.set(f"{prefix}/arrived/{rank}", b"1")
-    if rank != 0:
-        store.get(f"{prefix}/ready", left())
-        return
-    for peer in range(1, world_size):
-        store.get(f"{prefix}/arrived/{peer}", left())
-    store.set(f"{prefix}/ready", b"1")
-
-
 def create_communicators(
     uid: bytes, world: int, ranks: Sequence[int], devices: Sequence[int], timeout: timedelta
 ) -> list[Any]:
