@@ -45,13 +45,12 @@ from collective.groups.nccl_comm import (
     cupy_module,
     encode_unique_id,
     exchange_unique_id,
-    meet,
     per_device,
     release_communicators,
     unavailable_reason,
 )
 from collective.groups.nccl_p2p import NcclPointToPoint
-from collective.rendezvous import RendezvousStore
+from collective.rendezvous import RendezvousStore, meet
 from collective.tensor import NCCL_DTYPES
 from collective.types import (
     DEFAULT_TIMEOUT,
