@@ -110,5 +110,5 @@ def generate(app: Sphinx, docname: str, source: list[str]) -> None:
 
 
 def setup(app: Sphinx) -> None:
-    """Hook the page generators into the reading of sources."""
+    """Connect the page generators to the reading of sources."""
     app.connect("source-read", generate)

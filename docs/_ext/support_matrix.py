@@ -83,8 +83,7 @@ def ops_table() -> Table:
     classes = backend_classes()
     header = ["op", *classes]
     rows = [
-        [op, *(YES if implements(cls, op) else NO for cls in classes.values())]
-        for op in op_names()
+        [op, *(YES if implements(cls, op) else NO for cls in classes.values())] for op in op_names()
     ]
     return header, rows
 
@@ -129,8 +128,8 @@ def reduce_ops_table(backend: str) -> Table:
 def _table(table: Table) -> nodes.table:
     header, rows = table
     group = nodes.tgroup(cols=len(header))
-    for _ in header:
-        group += nodes.colspec(colwidth=1)
+    for column in zip(header, *rows, strict=True):
+        group += nodes.colspec(colwidth=max(len(text) for text in column))
 
     def row(cells: list[str]) -> nodes.row:
         line = nodes.row()
