@@ -73,12 +73,16 @@ def toctree_pages() -> list[str]:
 
 
 def performance_body() -> str:
-    """Return the performance page's body: the results if present, else how to make them."""
+    """Return the performance page's body: the results if present, else how to make them.
+
+    The plot is shown above the results unless ``results.md`` shows it itself.
+    """
     if RESULTS.is_file() and PLOT.is_file():
-        return (
-            "```{image} performance/busbw.png\n:alt: bus bandwidth against message size\n```\n\n"
-            "```{include} performance/results.md\n```\n"
-        )
+        include = "```{include} performance/results.md\n:relative-images:\n```\n"
+        if PLOT.name in RESULTS.read_text(encoding="utf-8"):
+            return include
+        plot = "```{image} performance/busbw.png\n:alt: bus bandwidth against message size\n```\n"
+        return f"{plot}\n{include}"
     return (
         "No benchmark results are checked in yet: run `python -m benchmarks` from the "
         "repository root to produce results, which it writes to `docs/performance/`.\n"

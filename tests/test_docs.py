@@ -78,7 +78,7 @@ def tiny_png() -> bytes:
     )
 
 
-def copy_of_docs(tmp_path: Path, with_optional: bool) -> Path:
+def copy_of_docs(tmp_path: Path, with_optional: bool, results_show_plot: bool) -> Path:
     shutil.copytree(DOCS, tmp_path / "docs", ignore=shutil.ignore_patterns("_build"))
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     docs = tmp_path / "docs"
@@ -86,8 +86,9 @@ def copy_of_docs(tmp_path: Path, with_optional: bool) -> Path:
     (docs / "failure-model.md").unlink(missing_ok=True)
     if with_optional:
         (docs / "performance").mkdir()
+        plot = "![busbw](busbw.png)\n\n" if results_show_plot else ""
         (docs / "performance" / "results.md").write_text(
-            "| size | busbw |\n|---|---|\n| 1 MiB | 1.5 GB/s |\n"
+            f"## Results\n\n{plot}| size | busbw |\n|---|---|\n| 1 MiB | 1.5 GB/s |\n"
         )
         (docs / "performance" / "busbw.png").write_bytes(tiny_png())
         (docs / "failure-model.md").write_text(
@@ -96,15 +97,21 @@ def copy_of_docs(tmp_path: Path, with_optional: bool) -> Path:
     return docs
 
 
-@pytest.mark.parametrize("with_optional", [False, True], ids=["without", "with"])
-def test_optional_pages_build_either_way(tmp_path: Path, with_optional: bool) -> None:
+@pytest.mark.parametrize(
+    ("with_optional", "results_show_plot"),
+    [(False, False), (True, False), (True, True)],
+    ids=["without", "with", "with-plot-in-results"],
+)
+def test_optional_pages_build_either_way(
+    tmp_path: Path, with_optional: bool, results_show_plot: bool
+) -> None:
     out = tmp_path / "html"
-    build(copy_of_docs(tmp_path, with_optional), out)
+    build(copy_of_docs(tmp_path, with_optional, results_show_plot), out)
     performance = (out / "performance.html").read_text()
     index = (out / "index.html").read_text()
     assert ("No benchmark results" in performance) is not with_optional
     assert ("1.5 GB/s" in performance) is with_optional
-    assert ("busbw.png" in performance) is with_optional
+    assert performance.count('src="_images/busbw.png"') == int(with_optional)
     assert (out / "failure-model.html").is_file() is with_optional
     assert ('href="failure-model.html"' in index) is with_optional
 
