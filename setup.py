@@ -15,6 +15,13 @@ setup(
     install_requires=["numpy>=1.24", "torch>=2.4", "ray>=2.9"],
     extras_require={
         "nccl": ["cupy-cuda12x"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "psutil>=5.9", "ruff>=0.6"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "psutil>=5.9",
+            "ruff>=0.6",
+            "sphinx>=7.2",
+            "myst-parser>=2.0",
+        ],
     },
 )

@@ -1,0 +1,118 @@
+"""Sphinx configuration of the collective documentation site.
+
+Pages that another step may or may not have produced are handled here, so that
+``sphinx-build -W`` passes either way: the toctree lists optional pages only when
+their files exist, and the performance page shows the benchmark results only when
+``docs/performance/results.md`` and ``docs/performance/busbw.png`` exist.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+from sphinx.application import Sphinx
+
+DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS / "_ext"))
+sys.path.insert(0, str(DOCS.parent))
+
+import collective  # noqa: E402
+
+project = "collective"
+author = "collective authors"
+copyright = "collective authors"
+release = collective.__version__
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "support_matrix",
+]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "guide.md", "performance/**"]
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+autodoc_member_order = "bysource"
+myst_heading_anchors = 3
+html_theme = "alabaster"
+html_title = f"collective {release}"
+
+PAGES = [
+    "quickstart",
+    "concepts",
+    "support-matrix",
+    "migration",
+    "nccl",
+    "performance",
+    "troubleshooting",
+    "api",
+]
+"""The toctree's pages, in order."""
+
+OPTIONAL_PAGES = {"failure-model": "troubleshooting"}
+"""Pages listed only when their file exists, each after the page it names."""
+
+RESULTS = DOCS / "performance" / "results.md"
+PLOT = DOCS / "performance" / "busbw.png"
+MARKER = "@generated@"
+"""The line in a page's source that ``generate`` replaces."""
+
+
+def toctree_pages() -> list[str]:
+    """Return the toctree's entries: every page, and the optional ones that exist."""
+    pages = list(PAGES)
+    for page, after in OPTIONAL_PAGES.items():
+        if (DOCS / f"{page}.md").is_file() or (DOCS / f"{page}.rst").is_file():
+            pages.insert(pages.index(after) + 1, page)
+    return pages
+
+
+def performance_body() -> str:
+    """Return the performance page's body: the results if present, else how to make them.
+
+    The plot is shown above the results unless ``results.md`` shows it itself.
+    """
+    if RESULTS.is_file() and PLOT.is_file():
+        include = "```{include} performance/results.md\n:relative-images:\n```\n"
+        if PLOT.name in RESULTS.read_text(encoding="utf-8"):
+            return include
+        plot = "```{image} performance/busbw.png\n:alt: bus bandwidth against message size\n```\n"
+        return f"{plot}\n{include}"
+    return (
+        "No benchmark results are checked in yet: run `python -m benchmarks` from the "
+        "repository root to produce results, which it writes to `docs/performance/`.\n"
+    )
+
+
+def api_body() -> str:
+    """Return autodoc directives for every name in ``collective.__all__``."""
+    lines = []
+    for name in collective.__all__:
+        if inspect.isclass(getattr(collective, name)):
+            lines += [f".. autoclass:: collective.{name}", "   :members:", ""]
+        else:
+            lines += [f".. autofunction:: collective.{name}", ""]
+    return "\n".join(lines)
+
+
+GENERATORS = {
+    "index": lambda: "\n".join(toctree_pages()),
+    "performance": performance_body,
+    "api": api_body,
+}
+
+
+def generate(app: Sphinx, docname: str, source: list[str]) -> None:
+    """Replace the marker line of a generated page with its generated text."""
+    if docname in GENERATORS:
+        source[0] = source[0].replace(MARKER, GENERATORS[docname]())
+
+
+def setup(app: Sphinx) -> None:
+    """Connect the page generators to the reading of sources."""
+    app.connect("source-read", generate)
