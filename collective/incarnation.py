@@ -9,7 +9,7 @@ where nobody looks.
 
 from __future__ import annotations
 
-from collective.rendezvous import PrefixedRendezvousStore, RendezvousStore
+from collective.store import PrefixedRendezvousStore, RendezvousStore
 
 
 class IncarnationStore(PrefixedRendezvousStore):

@@ -17,7 +17,7 @@ from typing import Any
 
 from collective import checks, lifecycle
 from collective.groups.base import BaseGroup
-from collective.rendezvous import PrefixedRendezvousStore
+from collective.store import PrefixedRendezvousStore
 
 _RANKS_KEY = "ranks"
 """Key under which the subgroup's first rank publishes the rank list, for the others to compare."""

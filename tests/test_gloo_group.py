@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from collective.groups.gloo import GlooGroup
-from collective.rendezvous import TCPRendezvousStore
+from collective.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -43,6 +43,7 @@ def test_public_names_are_all_exported() -> None:
             "multigpu",
             "rendezvous",
             "signature",
+            "store",
             "subgroups",
             "tensor",
             "types",

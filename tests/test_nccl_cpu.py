@@ -30,7 +30,8 @@ from collective.groups.nccl_comm import (
     encode_unique_id,
     exchange_unique_id,
 )
-from collective.rendezvous import RendezvousStore, TCPRendezvousStore, join_store, leave_store, meet
+from collective.rendezvous import join_store, leave_store
+from collective.store import RendezvousStore, TCPRendezvousStore, meet
 from collective.tensor import NCCL_DTYPES, TensorSpec
 from collective.types import CollectiveError, CollectiveTimeoutError, ReduceOp
 from tests.conftest import RAY_TIMEOUT_S, run_all, unique_name

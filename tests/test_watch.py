@@ -11,7 +11,7 @@ import numpy as np
 
 from collective.groups.gloo import GlooGroup
 from collective.incarnation import IncarnationStore
-from collective.rendezvous import TCPRendezvousStore
+from collective.store import TCPRendezvousStore
 from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError
 from tests.test_gloo_group import GROUP_TIMEOUT, _client_store, _master_store, _run_threads
 

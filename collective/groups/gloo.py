@@ -16,7 +16,7 @@ from collective.groups.gloo_work import (
     is_timeout,
 )
 from collective.groups.watch import FailureWatch
-from collective.rendezvous import RendezvousStore, meet
+from collective.store import RendezvousStore, meet
 from collective.tensor import DTYPES, CpuBuffer
 from collective.types import (
     DEFAULT_TIMEOUT,

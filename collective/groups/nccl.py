@@ -50,7 +50,7 @@ from collective.groups.nccl_comm import (
     unavailable_reason,
 )
 from collective.groups.nccl_p2p import NcclPointToPoint
-from collective.rendezvous import RendezvousStore, meet
+from collective.store import RendezvousStore, meet
 from collective.tensor import NCCL_DTYPES
 from collective.types import (
     DEFAULT_TIMEOUT,

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective import tensor
-from collective.rendezvous import RendezvousStore
+from collective.store import RendezvousStore
 from collective.tensor import CudaBuffer
 from collective.types import CollectiveError, CollectiveTimeoutError, ReduceOp
 from collective.work import Work

@@ -14,7 +14,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-from collective.rendezvous import RendezvousStore
+from collective.store import RendezvousStore
 from collective.types import CollectiveError
 
 _STOP = b"\x00stop"
