@@ -27,7 +27,6 @@ from collective.lifecycle import (
     is_group_initialized,
     list_collective_groups,
     nccl_available,
-    register_collective_backend,
 )
 from collective.multigpu import (
     allgather_multigpu,
@@ -39,6 +38,7 @@ from collective.multigpu import (
     send_multigpu,
     synchronize,
 )
+from collective.registry import register_collective_backend
 from collective.subgroups import new_group
 from collective.types import (
     Backend,

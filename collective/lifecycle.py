@@ -391,18 +391,3 @@ def get_collective_groups(
         if ids <= set(members) and wanted in (None, group_backend):
             found.append(name)
     return found
-
-
-def register_collective_backend(name: str, group_cls: type[BaseGroup]) -> None:
-    """Register ``group_cls`` as the backend called ``name``, here and for every actor.
-
-    Call it once in the driver: actors find the class by name when they build a
-    group, without registering it themselves. ``group_cls`` is built as
-    ``group_cls(world_size, rank, group_name, store, timeout, host)``.
-
-    Raises:
-        TypeError: ``group_cls`` is not a ``BaseGroup`` subclass.
-        ValueError: ``name`` is empty or names a built-in backend.
-
-    """
-    registry.register(name, group_cls)

@@ -66,8 +66,12 @@ def is_available(name: str) -> bool:
     return cls is not None and cls.check_backend_availability()
 
 
-def register(name: Any, group_cls: Any) -> None:
-    """Register ``group_cls`` as backend ``name`` here and, under Ray, for every actor.
+def register_collective_backend(name: str, group_cls: type[BaseGroup]) -> None:
+    """Register ``group_cls`` as the backend called ``name``, here and for every actor.
+
+    Call it once in the driver: actors find the class by name when they build a
+    group, without registering it themselves. ``group_cls`` is built as
+    ``group_cls(world_size, rank, group_name, store, timeout, host)``.
 
     Raises:
         TypeError: ``name`` is no string or ``group_cls`` no ``BaseGroup`` subclass.

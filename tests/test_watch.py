@@ -55,15 +55,17 @@ def test_one_ranks_timeout_wakes_a_rank_waiting_on_a_live_peer() -> None:
         assert type(error1) is CollectiveError, repr(error1)
         assert "aborted on rank 1" in str(error1) and "rank 0 reported" in str(error1)
         assert elapsed1 < elapsed0 + 3.0 < long.total_seconds()
-        # Rank 2 took no part, yet its group is broken too: its next op raises at once.
+        # Rank 2 took no part, yet its group is broken too: its next op raises at once
+        # ("unusable"), or, if the report is still on its way under load, as soon as it
+        # arrives ("aborted"), never at the op's timeout.
         start = time.monotonic()
         try:
             groups[2].allreduce([np.ones(8)], AllReduceOptions())
         except CollectiveError as exc:
-            assert "unusable" in str(exc)
+            assert "unusable" in str(exc) or "rank 0 reported" in str(exc), str(exc)
         else:
             raise AssertionError("rank 2's op on a broken group did not raise")
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 3.0
     finally:
         for group in groups:
             group.destroy_group()

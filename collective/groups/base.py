@@ -16,6 +16,7 @@ from collective.types import (
     Backend,
     BarrierOptions,
     BroadcastOptions,
+    CollectiveError,
     GatherOptions,
     RecvOptions,
     ReduceOp,
@@ -61,6 +62,7 @@ class BaseGroup(ABC):
         self._rank = rank
         self._group_name = group_name
         self._timeout = timeout
+        self._error: CollectiveError | None = None
 
     @property
     def world_size(self) -> int:
@@ -81,6 +83,21 @@ class BaseGroup(ABC):
     def timeout(self) -> timedelta:
         """Return the default timeout of the group's waits and ops."""
         return self._timeout
+
+    @property
+    def error(self) -> CollectiveError | None:
+        """Return the failure that made this group unusable, or None if it is healthy."""
+        return self._error
+
+    def _check_usable(self, destroyed: bool) -> None:
+        """Raise at once if an earlier failure broke the group or it was destroyed."""
+        if self._error is not None:
+            raise CollectiveError(
+                f"group {self.group_name!r} is unusable after an earlier failure; destroy it "
+                f"and create it again. The failure was: {self._error}"
+            )
+        if destroyed:
+            raise CollectiveError(f"group {self.group_name!r} has been destroyed")
 
     @classmethod
     @abstractmethod

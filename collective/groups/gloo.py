@@ -13,6 +13,7 @@ from collective.groups.gloo_work import (
     c10d_reduce_op,
     call_options,
     commit_all,
+    connect_tcp_store,
     is_timeout,
 )
 from collective.groups.watch import FailureWatch
@@ -36,9 +37,6 @@ from collective.types import (
     SendOptions,
 )
 from collective.work import Work
-
-ADDRESS_KEY = "gloo/address"
-"""Store key under which rank 0 publishes its TCPStore's ``host:port``."""
 
 _P2P_TAG = 0
 
@@ -71,13 +69,12 @@ class GlooGroup(BaseGroup):
 
         """
         super().__init__(world_size, rank, group_name, timeout)
-        self._error: CollectiveError | None = None
         self._tcp_store: Any = None
         self._pg: Any = None
         self._watch: FailureWatch | None = None
         dist = c10d()
         try:
-            self._tcp_store = self._connect_store(store, host)
+            self._tcp_store = connect_tcp_store(store, rank, host, timeout)
             meet(store, "gloo", rank, world_size, timeout)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
@@ -93,16 +90,6 @@ class GlooGroup(BaseGroup):
             self.destroy_group()
             raise self._failure("init", timeout, exc) from exc
 
-    def _connect_store(self, store: RendezvousStore, host: str) -> Any:
-        dist = c10d()
-        if self.rank == 0:
-            tcp_store = dist.TCPStore(host, 0, None, True, self.timeout, wait_for_workers=False)
-            store.set(ADDRESS_KEY, f"{host}:{tcp_store.port}".encode())
-            return tcp_store
-        address = store.get(ADDRESS_KEY, self.timeout).decode()
-        master, _, port = address.rpartition(":")
-        return dist.TCPStore(master, int(port), None, False, self.timeout)
-
     @classmethod
     def backend(cls) -> Backend:
         """Return ``Backend.GLOO``."""
@@ -116,11 +103,6 @@ class GlooGroup(BaseGroup):
         except CollectiveError:
             return False
         return True
-
-    @property
-    def error(self) -> CollectiveError | None:
-        """Return the failure that made this group unusable, or None if it is healthy."""
-        return self._error
 
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         """Mark the group unusable after ``exc`` and return the error to raise."""
@@ -177,13 +159,7 @@ class GlooGroup(BaseGroup):
         """
         if self._error is None and self._watch is not None and self._watch.failure is not None:
             self._abort(op, self._watch.failure)
-        if self._error is not None:
-            raise CollectiveError(
-                f"group {self.group_name!r} is unusable after an earlier failure; destroy it "
-                f"and create it again. The failure was: {self._error}"
-            )
-        if self._pg is None:
-            raise CollectiveError(f"group {self.group_name!r} has been destroyed")
+        self._check_usable(destroyed=self._pg is None)
         timeout = options.timeout or self.timeout
         try:
             torch_work = start(options.timeout)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from collective.store import RendezvousStore
 from collective.tensor import CpuBuffer
 from collective.types import CollectiveError, ReduceOp
 from collective.work import Work
@@ -51,6 +52,24 @@ def is_timeout(exc: BaseException) -> bool:
     """Return whether torch's error ``exc`` reports a timeout."""
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
+
+
+ADDRESS_KEY = "gloo/address"
+"""Store key under which rank 0 publishes its TCPStore's ``host:port``."""
+
+
+def connect_tcp_store(store: RendezvousStore, rank: int, host: str, timeout: timedelta) -> Any:
+    """Return a torch TCPStore for a gloo group: rank 0 serves one on a free port at ``host``.
+
+    Rank 0 publishes ``host:port`` in ``store``; the other ranks wait for it and connect.
+    """
+    if rank == 0:
+        tcp_store = c10d().TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+        store.set(ADDRESS_KEY, f"{host}:{tcp_store.port}".encode())
+        return tcp_store
+    address = store.get(ADDRESS_KEY, timeout).decode()
+    master, _, port = address.rpartition(":")
+    return c10d().TCPStore(master, int(port), None, False, timeout)
 
 
 def commit_all(buffers: Sequence[CpuBuffer]) -> None:

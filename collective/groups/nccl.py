@@ -108,7 +108,6 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         self._inflight: list[tuple[list[Any], list[Any]]] = []
         self._collective_count = 0
         self._default_devices: tuple[int, ...] | None = None
-        self._error: CollectiveError | None = None
         self._destroyed = False
 
     @classmethod
@@ -126,11 +125,6 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         """Return what is missing for the nccl backend, or "" if nothing is."""
         return unavailable_reason()
 
-    @property
-    def error(self) -> CollectiveError | None:
-        """Return the failure that made this group unusable, or None if it is healthy."""
-        return self._error
-
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         """Mark the group unusable after ``exc``, abort its communicators, return the error."""
         if isinstance(exc, CollectiveError):
@@ -146,15 +140,6 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
             comms = [c for entry in self._comms.values() for c in entry]
         release_communicators(comms, [], False, self.timeout)
         return error
-
-    def _check_usable(self) -> None:
-        if self._error is not None:
-            raise CollectiveError(
-                f"group {self.group_name!r} is unusable after an earlier failure; destroy it "
-                f"and create it again. The failure was: {self._error}"
-            )
-        if self._destroyed:
-            raise CollectiveError(f"group {self.group_name!r} has been destroyed")
 
     # --- communicators and streams ------------------------------------------------------
 
@@ -270,7 +255,7 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         self, op: str, options: Any, anchors: Sequence[Any], call: Call, buffers: Sequence[Any]
     ) -> Work:
         """Launch ``call`` on the collective communicators of ``anchors``' devices."""
-        self._check_usable()
+        self._check_usable(self._destroyed)
         devices = [tensor.cuda_buffer(a, "tensor").device for a in anchors]
         timeout = options.timeout or self.timeout
         try:

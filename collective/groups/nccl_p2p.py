@@ -37,7 +37,8 @@ class NcclPointToPoint:
     world_size: int
     timeout: timedelta
     _cupy: Any
-    _check_usable: Callable[[], None]
+    _check_usable: Callable[[bool], None]
+    _destroyed: bool
     _communicators: Callable[..., list[Any]]
     _fail: Callable[[str, timedelta, BaseException], CollectiveError]
     _launch: Callable[..., Work]
@@ -55,7 +56,7 @@ class NcclPointToPoint:
         return comms[0], 1 - mine
 
     def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
-        self._check_usable()
+        self._check_usable(self._destroyed)
         if len(tensors) != 1:
             raise ValueError(f"{op} takes one tensor, got {len(tensors)}")
         b = tensor.cuda_buffer(tensors[0], "tensor")
