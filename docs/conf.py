@@ -50,12 +50,10 @@ PAGES = [
     "nccl",
     "performance",
     "troubleshooting",
+    "failure-model",
     "api",
 ]
 """The toctree's pages, in order."""
-
-OPTIONAL_PAGES = {"failure-model": "troubleshooting"}
-"""Pages listed only when their file exists, each after the page it names."""
 
 RESULTS = DOCS / "performance" / "results.md"
 PLOT = DOCS / "performance" / "busbw.png"
@@ -64,12 +62,8 @@ MARKER = "@generated@"
 
 
 def toctree_pages() -> list[str]:
-    """Return the toctree's entries: every page, and the optional ones that exist."""
-    pages = list(PAGES)
-    for page, after in OPTIONAL_PAGES.items():
-        if (DOCS / f"{page}.md").is_file() or (DOCS / f"{page}.rst").is_file():
-            pages.insert(pages.index(after) + 1, page)
-    return pages
+    """Return the toctree's entries, in order."""
+    return list(PAGES)
 
 
 def performance_body() -> str:
