@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
 
@@ -34,6 +35,29 @@ class Work(ABC):
     @abstractmethod
     def exception(self) -> BaseException | None:
         """Return the op's failure once it has finished with one, else None; never blocks."""
+
+
+class OnceWork(Work):
+    """A ``Work`` whose completion runs once, under a lock; later waits repeat its outcome."""
+
+    def __init__(self) -> None:
+        """Start not done and without a failure."""
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Block until the op has finished, or raise its failure."""
+        with self._lock:
+            if not self._done:
+                self._complete(timeout)
+                self._done = True
+        if self._error is not None:
+            raise self._error
+
+    @abstractmethod
+    def _complete(self, timeout: timedelta | None) -> None:
+        """Wait for the op up to ``timeout`` and finish it; record a failure in ``_error``."""
 
 
 class CompletedWork(Work):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from collective.store import RendezvousStore
 from collective.tensor import CpuBuffer
 from collective.types import CollectiveError, ReduceOp
-from collective.work import Work
+from collective.work import OnceWork
 
 
 @functools.cache
@@ -78,7 +77,7 @@ def commit_all(buffers: Sequence[CpuBuffer]) -> None:
         buffer.commit()
 
 
-class GlooWork(Work):
+class GlooWork(OnceWork):
     """A gloo op in flight; ``wait`` writes staged outputs back once it has succeeded."""
 
     def __init__(
@@ -96,23 +95,13 @@ class GlooWork(Work):
         for a collective (and raises ``CollectiveError`` when another rank failed);
         point-to-point ops wait on torch's handle directly.
         """
+        super().__init__()
         self._fail = fail
         self._wait_collective = wait
         self._torch_work = torch_work
         self._timeout = timeout
         self._finish = finish
         self._p2p = p2p
-        self._lock = threading.Lock()
-        self._done = False
-        self._error: CollectiveError | None = None
-
-    def wait(self, timeout: timedelta | None = None) -> None:
-        """Block until the op has finished and its outputs are written."""
-        with self._lock:
-            if not self._done:
-                self._complete(timeout)
-        if self._error is not None:
-            raise self._error
 
     def _complete(self, timeout: timedelta | None) -> None:
         effective = timeout or self._timeout
@@ -127,7 +116,6 @@ class GlooWork(Work):
             self._error = self._fail(effective, exc)
         else:
             self._finish()
-        self._done = True
         self._torch_work = None
         self._finish = lambda: None
 

@@ -17,7 +17,7 @@ from collective import tensor
 from collective.store import RendezvousStore
 from collective.tensor import CudaBuffer
 from collective.types import CollectiveError, CollectiveTimeoutError, ReduceOp
-from collective.work import Work
+from collective.work import OnceWork
 
 NCCL_REDUCE_OPS: dict[ReduceOp, int] = {
     ReduceOp.SUM: 0,
@@ -216,7 +216,7 @@ def release_communicators(
             continue
 
 
-class NcclWork(Work):
+class NcclWork(OnceWork):
     """An NCCL op in flight, tracked by a CUDA event on each comm stream it used.
 
     ``wait`` polls the events up to a deadline, then calls ``finish``, which orders
@@ -233,25 +233,16 @@ class NcclWork(Work):
         timeout: timedelta,
     ) -> None:
         """Track ``events`` of op ``op``; ``fail`` turns a failure into the group's error."""
+        super().__init__()
         self._op = op
         self._events = list(events)
         self._comms = list(comms)
         self._finish: Callable[[], None] | None = finish
         self._fail = fail
         self._timeout = timeout
-        self._lock = threading.Lock()
-        self._done = False
-        self._error: CollectiveError | None = None
 
-    def wait(self, timeout: timedelta | None = None) -> None:
-        """Block until the op has finished; the caller's current streams then follow it."""
-        with self._lock:
-            if not self._done:
-                self._complete(timeout or self._timeout)
-        if self._error is not None:
-            raise self._error
-
-    def _complete(self, timeout: timedelta) -> None:
+    def _complete(self, timeout: timedelta | None) -> None:
+        timeout = timeout or self._timeout
         try:
             if not wait_events(self._events, self._comms, timeout):
                 raise TimeoutError("the NCCL kernels did not finish")
@@ -261,7 +252,6 @@ class NcclWork(Work):
             if self._finish is not None:
                 self._finish()
             self._finish = None
-        self._done = True
 
     def is_completed(self) -> bool:
         """Return whether the op has finished, successfully or not."""
