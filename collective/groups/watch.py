@@ -5,12 +5,14 @@ a rank waiting on a live peer that has itself given up only learns at the op's
 timeout: gloo's pending receives are not woken when another pair closes. So a
 rank that sees a failure writes it under every other rank's abort key in the
 group's rendezvous store, and each rank keeps one thread blocked on its own key.
-When the key is set, the thread wakes every wait of that rank's ops.
+When the key is set, the thread records the failure, and every wait of that
+rank's ops sees it within one wait slice (50 ms).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +24,9 @@ _STOP = b"\x00stop"
 
 _WATCH_PERIOD = timedelta(hours=1)
 """How long one blocking read of the abort key lasts before it is issued again."""
+
+_SLICE_S = 0.05
+"""How long one slice of an op's wait lasts: the delay before a reported failure is seen."""
 
 _JOIN_S = 10.0
 """The longest ``stop`` waits for the watch thread to end."""
@@ -52,8 +57,6 @@ class FailureWatch:
         self._watched = store.watcher()
         self._rank = rank
         self._world_size = world_size
-        self._lock = threading.Lock()
-        self._waiters: set[threading.Event] = set()
         self._failure: str | None = None
         self._abandoned: list[Any] = []
         self._stopped = False
@@ -77,15 +80,8 @@ class FailureWatch:
             except (CollectiveError, RuntimeError):
                 return
             if value != _STOP:
-                self._fire(value.decode(errors="replace"))
+                self._failure = value.decode(errors="replace")
             return
-
-    def _fire(self, failure: str) -> None:
-        with self._lock:
-            self._failure = failure
-            waiters = list(self._waiters)
-        for event in waiters:
-            event.set()
 
     def report(self, failure: str) -> None:
         """Tell every other rank that this one failed with ``failure``; never raises."""
@@ -103,30 +99,28 @@ class FailureWatch:
     def wait(self, work: Any, timeout: timedelta | None) -> tuple[bool, str | None]:
         """Wait until the torch ``work`` finishes, a failure is reported, or ``timeout``.
 
+        The wait runs in torch, without the GIL, in slices of ``_SLICE``; between
+        slices it looks for a reported failure. An op that finishes within the
+        first slice, the common case, costs one plain torch wait.
+
         Returns:
             Whether ``work`` finished (well or not; its ``wait`` then returns or
             raises at once), and the failure another rank reported, if any.
 
         """
-        done = threading.Event()
-        try:
-            work.get_future().add_done_callback(lambda _: done.set())
-        except RuntimeError:
-            work.wait(timeout) if timeout is not None else work.wait()
-            return True, None
-        with self._lock:
-            if self._failure is not None and not done.is_set():
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while True:
+            left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
+            if left > 0:
+                try:
+                    work.wait(timedelta(seconds=left))
+                except RuntimeError:
+                    pass
+            if work.is_completed():
+                return True, None
+            if self._failure is not None or (deadline is not None and time.monotonic() >= deadline):
+                self._abandoned.append(work)
                 return False, self._failure
-            self._waiters.add(done)
-        try:
-            finished = done.wait(None if timeout is None else timeout.total_seconds())
-        finally:
-            with self._lock:
-                self._waiters.discard(done)
-        finished = finished and (self._failure is None or work.is_completed())
-        if not finished:
-            self._abandoned.append(work)
-        return finished, None if finished else self._failure
 
     def release(self, pg: Any) -> None:
         """Drop the process group ``pg`` now, or once the ops this rank gave up on end.
