@@ -15,6 +15,7 @@ setup(
     install_requires=["numpy>=1.24", "torch>=2.4", "ray>=2.9"],
     extras_require={
         "nccl": ["cupy-cuda12x"],
+        "bench": ["matplotlib>=3.7"],
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
@@ -22,6 +23,7 @@ setup(
             "ruff>=0.6",
             "sphinx>=7.2",
             "myst-parser>=2.0",
+            "matplotlib>=3.7",
         ],
     },
 )

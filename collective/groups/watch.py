@@ -28,6 +28,9 @@ _WATCH_PERIOD = timedelta(hours=1)
 _SLICE_S = 0.05
 """How long one slice of an op's wait lasts: the delay before a reported failure is seen."""
 
+_SLICE_EXPIRED = "timed out"
+"""What torch's message says when a timed wait on a work runs out, the work still pending."""
+
 _JOIN_S = 10.0
 """The longest ``stop`` waits for the watch thread to end."""
 
@@ -46,6 +49,22 @@ def _release(holder: list[Any], abandoned: list[Any]) -> None:
             pass
     abandoned.clear()
     holder.clear()
+
+
+def _waited(work: Any, seconds: float) -> bool:
+    """Wait up to ``seconds`` for the torch ``work``; return whether it has finished.
+
+    A work that ends with an error counts as finished: its next plain ``wait``
+    raises that error. Composite works (gloo's reduce_scatter) never report
+    ``is_completed``, so a timed wait that returns is what says they are done.
+    """
+    start = time.monotonic()
+    try:
+        work.wait(timedelta(seconds=seconds))
+    except RuntimeError as exc:
+        expired = _SLICE_EXPIRED in str(exc) and time.monotonic() - start >= seconds / 2
+        return work.is_completed() or not expired
+    return True
 
 
 class FailureWatch:
@@ -111,12 +130,7 @@ class FailureWatch:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         while True:
             left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
-            if left > 0:
-                try:
-                    work.wait(timedelta(seconds=left))
-                except RuntimeError:
-                    pass
-            if work.is_completed():
+            if left > 0 and _waited(work, left):
                 return True, None
             if self._failure is not None or (deadline is not None and time.monotonic() >= deadline):
                 self._abandoned.append(work)
