@@ -45,6 +45,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None, help="write a results page")
     args = parser.parse_args(argv)
     args.sizes = [
         parse_size(s)
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(args.json, records, meta)
     if args.plot:
         report.plot(args.plot, records)
+    if args.markdown:
+        plot_name = args.plot.name if args.plot else None
+        args.markdown.write_text(report.markdown(records, meta, plot_name))
     print(f"\n# {len(records)} points in {meta['seconds']} s")
     return 0 if all(r["wrong"] == 0 for r in records) else 1
 

@@ -102,3 +102,56 @@ def plot(path: Path, records: list[dict[str, Any]]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def markdown(records: list[dict[str, Any]], meta: dict[str, Any], plot_name: str | None) -> str:
+    """Return a results page: the machine, the command, headline ratios, the plot, the table."""
+    lines = [
+        "## Machine and command",
+        "",
+        f"- Machine: {meta['machine']}, {meta['cpus']} CPUs; Python {meta['python']}, "
+        f"torch {meta['torch']}, Ray {meta['ray']}.",
+        f"- Command: `{meta['command']}` ({meta['seconds']} s).",
+        "- Time is the median over the timed iterations of the slowest rank's time, with the",
+        "  min and max beside it; algbw = size / time; busbw = algbw x nccl-tests' factor.",
+        "  `vs ours` is a peer's median time over ours: above 1 means ours is faster.",
+    ]
+    lines += [f"- {impl}: {why}" for impl, why in sorted(meta["unavailable"].items())]
+    lines += ["", "## Median time of each peer relative to ours", ""]
+    lines += ["| op | ranks | size | " + " | ".join(_peers(records)) + " |"]
+    lines += ["|---|---|---|" + "---|" * len(_peers(records))]
+    for r in sorted(
+        (r for r in records if r["impl"] == OURS),
+        key=lambda r: (r["op"], r["world_size"], r["size"]),
+    ):
+        cells = [_ratio(records, r, impl) for impl in _peers(records)]
+        lines.append(
+            f"| {r['op']} | {r['world_size']} | {_human(r['size'])} | " + " | ".join(cells) + " |"
+        )
+    if plot_name:
+        lines += ["", "## Bus bandwidth", "", f"![busbw against size]({plot_name})"]
+    lines += ["", "## Table", "", "```text", table(records, {}), "```", ""]
+    return "\n".join(lines)
+
+
+def _peers(records: list[dict[str, Any]]) -> list[str]:
+    return sorted({r["impl"] for r in records} - {OURS})
+
+
+def _ratio(records: list[dict[str, Any]], ours: dict[str, Any], impl: str) -> str:
+    for r in records:
+        same = (r["op"], r["world_size"], r["size"]) == (
+            ours["op"],
+            ours["world_size"],
+            ours["size"],
+        )
+        if same and r["impl"] == impl:
+            return f"{r['ratio_to_ours']:.2f}"
+    return "-"
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size} B"

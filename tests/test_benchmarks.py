@@ -19,7 +19,8 @@ IMPLS = {"collective", "torch_gloo", "ray_collective", "object_store"}
 def test_quick_benchmark_writes_table_json_and_plot(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "results.json", tmp_path / "busbw.png"
     command = [sys.executable, "-m", "benchmarks", "--quick", "--sizes", "4K,64K"]
-    command += ["--json", str(out_json), "--plot", str(out_png)]
+    out_md = tmp_path / "results.md"
+    command += ["--json", str(out_json), "--plot", str(out_png), "--markdown", str(out_md)]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
     )
@@ -42,6 +43,10 @@ def test_quick_benchmark_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert r["busbw_gbs"] > 0 and r["algbw_gbs"] > 0
         assert r["ratio_to_ours"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = out_md.read_text()
+    for heading in ("## Machine and command", "## Bus bandwidth", "## Table"):
+        assert heading in page
+    assert "](busbw.png)" in page
 
 
 def test_bad_arguments_are_rejected_before_anything_starts() -> None:
