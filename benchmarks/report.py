@@ -10,6 +10,13 @@ from typing import Any
 from benchmarks import workloads
 
 OURS = "collective"
+COLORS = {
+    "collective": "tab:blue",
+    "torch_gloo": "tab:red",
+    "ray_collective": "tab:green",
+    "object_store": "tab:orange",
+}
+"""One color per implementation, the same in every panel."""
 
 
 def record(
@@ -92,7 +99,8 @@ def plot(path: Path, records: list[dict[str, Any]]) -> None:
             rows = [r for r in records if (r["op"], r["world_size"]) == (op, world_size)]
             for impl in sorted({r["impl"] for r in rows}):
                 points = sorted((r["size"], r["busbw_gbs"]) for r in rows if r["impl"] == impl)
-                ax.plot(*zip(*points, strict=True), marker="o", label=impl)
+                color = COLORS.get(impl)
+                ax.plot(*zip(*points, strict=True), marker="o", label=impl, color=color)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{op}, {world_size} ranks")
             ax.set_xlabel("size (bytes)")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import ray
 
+import collective as col
 from collective.rendezvous import STORE_ACTOR_PREFIX
 
 RAY_TIMEOUT_S = 120
@@ -39,6 +42,18 @@ def run_all(actors: Sequence[Any], fn: Callable[..., Any], *per_actor_args: Sequ
     """Run ``fn(*args_i)`` on actor i for every i, and return every result in order."""
     refs = [a.run.remote(fn, *(args[i] for args in per_actor_args)) for i, a in enumerate(actors)]
     return ray.get(refs, timeout=RAY_TIMEOUT_S)
+
+
+def allreduce_until_failure(name: str) -> tuple[float, str, str]:
+    """Allreduce on group ``name`` until it raises; return when, the error's type and message."""
+    x = np.ones(1 << 14, dtype=np.float32)
+    deadline = time.monotonic() + RAY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            col.allreduce(x, name)
+        except Exception as exc:
+            return time.time(), type(exc).__name__, str(exc)
+    return time.time(), "", "no failure"
 
 
 def unique_name(prefix: str = "g") -> str:

@@ -17,7 +17,14 @@ import ray
 from ray.cluster_utils import Cluster
 
 import collective as col
-from tests.conftest import RAY_TIMEOUT_S, Member, our_named_actors, run_all, unique_name
+from tests.conftest import (
+    RAY_TIMEOUT_S,
+    Member,
+    allreduce_until_failure,
+    our_named_actors,
+    run_all,
+    unique_name,
+)
 
 GROUP_TIMEOUT = timedelta(seconds=20)
 DETECT_S = 8.0
@@ -55,17 +62,6 @@ def _allreduce(rank: int, name: str) -> float:
     return float(x[0])
 
 
-def _allreduce_until_failure(name: str) -> tuple[float, str, str]:
-    x = np.ones(1 << 14, dtype=np.float32)
-    deadline = time.monotonic() + RAY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            col.allreduce(x, name)
-        except Exception as exc:
-            return time.time(), type(exc).__name__, str(exc)
-    return time.time(), "", "no failure"
-
-
 def _destroy(name: str) -> bool:
     col.destroy_collective_group(name)
     return col.is_group_initialized(name)
@@ -79,7 +75,7 @@ def test_group_spans_two_nodes_and_survives_losing_one(cluster: tuple[Cluster, A
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
     assert run_all(actors, _allreduce, range(4), [name] * 4) == [10.0] * 4
 
-    refs = [a.run.remote(_allreduce_until_failure, name) for a in actors[:2]]
+    refs = [a.run.remote(allreduce_until_failure, name) for a in actors[:2]]
     time.sleep(2.0)
     removed_at = time.time()
     two.remove_node(second)

@@ -18,7 +18,14 @@ import ray
 import collective as col
 from collective.incarnation import IncarnationStore
 from collective.rendezvous import find_store, store_actor_name
-from tests.conftest import RAY_TIMEOUT_S, Member, our_named_actors, run_all, unique_name
+from tests.conftest import (
+    RAY_TIMEOUT_S,
+    Member,
+    allreduce_until_failure,
+    our_named_actors,
+    run_all,
+    unique_name,
+)
 
 GROUP_TIMEOUT = timedelta(seconds=20)
 """Long enough that detection by timeout and detection by the transport differ clearly."""
@@ -52,18 +59,6 @@ def _allreduce(name: str, value: float) -> float:
     return float(x[0])
 
 
-def _allreduce_until_failure(name: str) -> tuple[float, str, str]:
-    """Allreduce in a loop until it raises; return when, what type, and the message."""
-    x = np.ones(1 << 14, dtype=np.float32)
-    deadline = time.monotonic() + RAY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            col.allreduce(x, name)
-        except Exception as exc:
-            return time.time(), type(exc).__name__, str(exc)
-    return time.time(), "", "no failure"
-
-
 def _timed_op(name: str) -> tuple[float, str, str]:
     start = time.monotonic()
     try:
@@ -77,7 +72,7 @@ def test_killed_member_breaks_the_group_fast_and_it_can_be_rebuilt(ray_cluster: 
     actors, name = _fresh_members(4), unique_name("killed")
     assert run_all(actors, _init, [4] * 4, range(4), [name] * 4) == [0, 1, 2, 3]
     survivors, victim = actors[:3], actors[3]
-    refs = [a.run.remote(_allreduce_until_failure, name) for a in actors]
+    refs = [a.run.remote(allreduce_until_failure, name) for a in actors]
     time.sleep(2.0)
     killed_at = time.time()
     ray.kill(victim, no_restart=True)
