@@ -109,8 +109,8 @@ def alltoall(
 
     """
     group = get_group_handle(group_name)
-    inputs = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
-    outputs = _same_dtype_list(group, output_tensor_list, "output_tensor_list", inputs[0])
+    inputs, dtype = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
+    outputs, _ = _same_dtype_list(group, output_tensor_list, "output_tensor_list", dtype)
     names = ("output_tensor_list", "input_tensor_list")
     return _alltoall(group, outputs, inputs, names, timeout, async_op)
 
@@ -157,20 +157,22 @@ def alltoall_single(
     return _alltoall(group, outputs, inputs, ("output", "input"), timeout, async_op)
 
 
-def _same_dtype_list(group: BaseGroup, xs: Any, name: str, like: Any | None = None) -> list[Any]:
-    """Return ``xs`` as world-size buffers of one dtype (``like``'s when given)."""
+def _same_dtype_list(
+    group: BaseGroup, xs: Any, name: str, dtype: str | None = None
+) -> tuple[list[Any], str]:
+    """Return ``xs`` as world-size buffers of one dtype (``dtype`` when given), and the dtype."""
     if not isinstance(xs, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
     if len(xs) != group.world_size:
         raise ValueError(
             f"{name} must hold {group.world_size} tensors (the world size), got {len(xs)}"
         )
-    dtype = checks.check_tensor(group, like if like is not None else xs[0], name).dtype
     for i, x in enumerate(xs):
         spec = checks.check_tensor(group, x, f"{name}[{i}]")
+        dtype = dtype or spec.dtype
         if spec.dtype != dtype:
             raise ValueError(f"{name}[{i}] has dtype {spec.dtype}, but must be {dtype}")
-    return list(xs)
+    return list(xs), str(dtype)
 
 
 def _alltoall(

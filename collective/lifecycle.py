@@ -145,8 +145,10 @@ def group_entry(group_name: str) -> tuple[BaseGroup, Any]:
 
     """
     checks.check_group_name(group_name)
-    _manager.get_or_build(group_name, lambda: _build_declared(group_name))
     entry = _manager.entry(group_name)
+    if entry is None:
+        _manager.get_or_build(group_name, lambda: _build_declared(group_name))
+        entry = _manager.entry(group_name)
     if entry is None:
         raise GroupNotFoundError(
             f"group {group_name!r} is not initialized in this process and was not declared "

@@ -25,6 +25,7 @@ from collective.types import (
     Backend,
     BarrierOptions,
     BroadcastOptions,
+    CollectiveError,
     GatherOptions,
     RecvOptions,
     ReduceOp,
@@ -134,9 +135,9 @@ class CheckedGroup(BaseGroup):
         return self._inner
 
     @property
-    def error(self) -> Any:
+    def error(self) -> CollectiveError | None:
         """Return the wrapped group's failure, or None if it is healthy."""
-        return getattr(self._inner, "error", None)
+        return self._inner.error
 
     def backend(self) -> Backend | str:  # type: ignore[override]
         """Return the wrapped group's backend."""
