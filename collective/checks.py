@@ -11,7 +11,7 @@ import numpy as np
 from collective import tensor
 from collective.groups.base import BaseGroup
 from collective.tensor import TensorSpec
-from collective.types import ReduceOp
+from collective.types import CpuTransport, GroupOptions, ReduceOp
 
 
 def check_int(value: Any, name: str) -> int:
@@ -229,3 +229,11 @@ def check_non_negative(value: Any, name: str) -> int:
     if check_int(value, name) < 0:
         raise ValueError(f"{name} must be at least 0, got {value}")
     return value
+
+
+def check_group_options(strict_buffers: Any, cpu_transport: Any) -> GroupOptions:
+    """Return a group's ``GroupOptions``; None fields are read from the environment later."""
+    if strict_buffers is not None:
+        check_bool(strict_buffers, "strict_buffers")
+    transport = None if cpu_transport is None else CpuTransport.parse(cpu_transport)
+    return GroupOptions(strict_buffers, transport)

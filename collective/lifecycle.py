@@ -16,7 +16,9 @@ from collective.types import (
     Backend,
     CollectiveError,
     CollectiveTimeoutError,
+    CpuTransport,
     GroupNotFoundError,
+    GroupOptions,
 )
 
 _manager = GroupManager()
@@ -61,6 +63,7 @@ def _join_and_build(
     timeout: timedelta,
     check_args: bool = False,
     declared: bool = False,
+    options: GroupOptions | None = None,
 ) -> tuple[BaseGroup, RayRendezvousStore]:
     """Meet the other ranks through the group's store actor and connect to them."""
     cls = registry.group_class(backend)
@@ -71,9 +74,8 @@ def _join_and_build(
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
     try:
-        group = cls(
-            world_size, rank, group_name, IncarnationStore(store, incarnation), timeout, node_ip()
-        )
+        scoped = IncarnationStore(store, incarnation)
+        group = cls(world_size, rank, group_name, scoped, timeout, node_ip(), options=options)
     except CollectiveTimeoutError as exc:
         detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
         rendezvous.leave_store(store, rank)
@@ -124,6 +126,7 @@ def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | N
         declaration.timeout,
         declaration.check_args,
         declared=True,
+        options=declaration.options,
     )
 
 
@@ -166,6 +169,8 @@ def init_collective_group(
     *,
     timeout: timedelta | None = None,
     check_args: bool = False,
+    strict_buffers: bool | None = None,
+    cpu_transport: CpuTransport | str | None = None,
 ) -> None:
     """Join this actor to a collective group as ``rank``; blocks until all ranks arrive.
 
@@ -180,6 +185,13 @@ def init_collective_group(
         check_args: before every op, compare the ranks' arguments (op, dtype, shape,
             root, reduce op) over the group and raise ``ValueError`` on every rank if
             they differ. Costs one small allgather per op.
+        strict_buffers: refuse read-only output buffers (an actor argument, a
+            ``ray.get`` result) with ``ValueError`` instead of writing them with a
+            warning; None reads ``COLLECTIVE_STRICT_BUFFERS``.
+        cpu_transport: for CPU groups, ``"auto"`` (shared memory inside a node,
+            Gloo between nodes), ``"shm"`` (the same, never falling back to TCP inside
+            a node) or ``"gloo"`` (TCP everywhere); None reads
+            ``COLLECTIVE_CPU_TRANSPORT``, then ``"auto"``.
 
     Raises:
         ValueError, TypeError: an argument is invalid.
@@ -193,11 +205,14 @@ def init_collective_group(
     backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
     check_args = checks.check_bool(check_args, "check_args")
+    options = checks.check_group_options(strict_buffers, cpu_transport)
     registry.group_class(backend)
     _require_ray_worker("init_collective_group")
     create_group(
         group_name,
-        lambda: _join_and_build(group_name, rank, world_size, backend, group_timeout, check_args),
+        lambda: _join_and_build(
+            group_name, rank, world_size, backend, group_timeout, check_args, options=options
+        ),
     )
 
 
@@ -211,6 +226,8 @@ def declare_collective_group(
     *,
     timeout: timedelta | None = None,
     check_args: bool = False,
+    strict_buffers: bool | None = None,
+    cpu_transport: CpuTransport | str | None = None,
 ) -> None:
     """Declare from the driver that ``actors`` form a group; each builds it on first use.
 
@@ -227,6 +244,8 @@ def declare_collective_group(
         gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
         check_args: as in ``init_collective_group``; kept in the declaration.
+        strict_buffers: as in ``init_collective_group``; kept in the declaration.
+        cpu_transport: as in ``init_collective_group``; kept in the declaration.
 
     Raises:
         ValueError, TypeError: an argument is invalid.
@@ -250,13 +269,14 @@ def declare_collective_group(
     if len(set(ids)) != len(ids):
         raise ValueError("actors must be distinct; the same actor appears twice")
     check_args = checks.check_bool(check_args, "check_args")
+    options = checks.check_group_options(strict_buffers, cpu_transport)
     if not ray.is_initialized():
         raise CollectiveError("declare_collective_group needs ray.init() first")
     backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
     registry.group_class(backend, here=False)
     membership = dict(zip(ids, ranks, strict=True))
-    declaration = Declaration(world_size, backend, membership, group_timeout, check_args)
+    declaration = Declaration(world_size, backend, membership, group_timeout, check_args, options)
     rendezvous.declare_store(group_name, declaration)
 
 

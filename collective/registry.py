@@ -71,7 +71,7 @@ def register_collective_backend(name: str, group_cls: type[BaseGroup]) -> None:
 
     Call it once in the driver: actors find the class by name when they build a
     group, without registering it themselves. ``group_cls`` is built as
-    ``group_cls(world_size, rank, group_name, store, timeout, host)``.
+    ``group_cls(world_size, rank, group_name, store, timeout, host, options=options)``.
 
     Raises:
         TypeError: ``name`` is no string or ``group_cls`` no ``BaseGroup`` subclass.

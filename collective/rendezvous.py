@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.store import RendezvousStore
-from collective.types import CollectiveError
+from collective.types import CollectiveError, GroupOptions
 
 STORE_ACTOR_PREFIX = "collective.store."
 """Named store actors are called this prefix followed by the group name."""
@@ -28,6 +28,7 @@ class Declaration:
     ranks: dict[str, int]
     timeout: timedelta
     check_args: bool = False
+    options: GroupOptions = field(default_factory=GroupOptions)
 
 
 @dataclass

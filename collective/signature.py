@@ -126,7 +126,9 @@ class CheckedGroup(BaseGroup):
 
     def __init__(self, inner: BaseGroup) -> None:
         """Wrap ``inner``; every op is checked, then delegated to it."""
-        super().__init__(inner.world_size, inner.rank, inner.group_name, inner.timeout)
+        super().__init__(
+            inner.world_size, inner.rank, inner.group_name, inner.timeout, inner.options
+        )
         self._inner = inner
 
     @property

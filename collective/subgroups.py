@@ -93,7 +93,18 @@ def new_group(
     cls = type(parent_group)
     lifecycle.create_group(
         name,
-        lambda: (cls(len(ranks), rank, name, store, group_timeout, lifecycle.node_ip()), store),
+        lambda: (
+            cls(
+                len(ranks),
+                rank,
+                name,
+                store,
+                group_timeout,
+                lifecycle.node_ip(),
+                options=parent_group.options,
+            ),
+            store,
+        ),
     )
     return name
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -49,6 +50,86 @@ class Backend(str, Enum):
         except ValueError:
             known = ", ".join(repr(m.value) for m in cls)
             raise ValueError(f"backend must be one of {known}, got {value!r}") from None
+
+
+class CpuTransport(str, Enum):
+    """How a CPU (``backend="gloo"``) group moves bytes between its ranks.
+
+    ``AUTO`` uses shared memory among the ranks that share a node and Gloo over
+    TCP between nodes. ``GLOO`` forces Gloo over TCP everywhere, for debugging
+    and comparison. ``SHM`` is ``AUTO`` that refuses to fall back to TCP inside
+    a node when the shared-memory arena cannot be made.
+    """
+
+    AUTO = "auto"
+    SHM = "shm"
+    GLOO = "gloo"
+
+    @classmethod
+    def parse(cls, value: CpuTransport | str, name: str = "cpu_transport") -> CpuTransport:
+        """Normalise a transport given as an enum member or a string (any case).
+
+        Raises:
+            TypeError: ``value`` is neither a ``CpuTransport`` nor a string.
+            ValueError: ``value`` names no transport.
+
+        """
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a CpuTransport or a str, got {type(value).__name__}")
+        try:
+            return cls(value.lower())
+        except ValueError:
+            known = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{name} must be one of {known}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """Settings of one group that its members agree on and its backend reads.
+
+    ``None`` means "not set by the caller": the member that builds the group then
+    reads the environment variable named below, so ``runtime_env`` works.
+    """
+
+    strict_buffers: bool | None = None
+    """Refuse read-only output buffers instead of writing them with a warning
+    (``COLLECTIVE_STRICT_BUFFERS=1``)."""
+
+    cpu_transport: CpuTransport | None = None
+    """The CPU groups' transport (``COLLECTIVE_CPU_TRANSPORT``); ``AUTO`` when unset."""
+
+    def resolved(self) -> GroupOptions:
+        """Return these options with every unset field taken from the environment.
+
+        Raises:
+            ValueError: an environment variable holds a value it cannot take.
+
+        """
+        strict = self.strict_buffers
+        if strict is None:
+            raw = os.environ.get(STRICT_BUFFERS_ENV, "0").strip().lower()
+            if raw not in _FLAG_VALUES:
+                raise ValueError(
+                    f"{STRICT_BUFFERS_ENV} must be one of {sorted(_FLAG_VALUES)}, got {raw!r}"
+                )
+            strict = _FLAG_VALUES[raw]
+        transport = self.cpu_transport
+        if transport is None:
+            raw = os.environ.get(CPU_TRANSPORT_ENV, CpuTransport.AUTO.value)
+            transport = CpuTransport.parse(raw, CPU_TRANSPORT_ENV)
+        return GroupOptions(strict, transport)
+
+
+STRICT_BUFFERS_ENV = "COLLECTIVE_STRICT_BUFFERS"
+"""Environment variable that makes groups refuse read-only output buffers when set to 1."""
+
+CPU_TRANSPORT_ENV = "COLLECTIVE_CPU_TRANSPORT"
+"""Environment variable that picks the CPU transport: auto, shm or gloo."""
+
+_FLAG_VALUES = {"": False, "0": False, "false": False, "no": False}
+_FLAG_VALUES.update({"1": True, "true": True, "yes": True})
 
 
 class ReduceOp(Enum):

@@ -18,6 +18,7 @@ from collective.types import (
     BroadcastOptions,
     CollectiveError,
     GatherOptions,
+    GroupOptions,
     RecvOptions,
     ReduceOp,
     ReduceOptions,
@@ -41,8 +42,9 @@ class BaseGroup(ABC):
     the buffers.
 
     A backend class is built as ``cls(world_size, rank, group_name, store, timeout,
-    host)``, with ``store`` a ``RendezvousStore`` through which its ranks meet and
-    ``host`` the address this rank's transport binds to.
+    host, options=options)``, with ``store`` a ``RendezvousStore`` through which its
+    ranks meet, ``host`` the address this rank's transport binds to and ``options``
+    the group's resolved ``GroupOptions``.
     """
 
     device_type: ClassVar[str] = "cpu"
@@ -55,13 +57,19 @@ class BaseGroup(ABC):
     """The reductions this backend implements."""
 
     def __init__(
-        self, world_size: int, rank: int, group_name: str, timeout: timedelta = DEFAULT_TIMEOUT
+        self,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        options: GroupOptions | None = None,
     ) -> None:
-        """Record the group's identity; subclasses connect the ranks."""
+        """Record the group's identity and settings; subclasses connect the ranks."""
         self._world_size = world_size
         self._rank = rank
         self._group_name = group_name
         self._timeout = timeout
+        self._options = (options or GroupOptions()).resolved()
         self._error: CollectiveError | None = None
 
     @property
@@ -83,6 +91,11 @@ class BaseGroup(ABC):
     def timeout(self) -> timedelta:
         """Return the default timeout of the group's waits and ops."""
         return self._timeout
+
+    @property
+    def options(self) -> GroupOptions:
+        """Return the group's settings, every field resolved."""
+        return self._options
 
     @property
     def error(self) -> CollectiveError | None:

@@ -30,6 +30,7 @@ from collective.types import (
     CollectiveError,
     CollectiveTimeoutError,
     GatherOptions,
+    GroupOptions,
     RecvOptions,
     ReduceOptions,
     ReduceScatterOptions,
@@ -60,6 +61,7 @@ class GlooGroup(BaseGroup):
         store: RendezvousStore,
         timeout: timedelta = DEFAULT_TIMEOUT,
         host: str = "127.0.0.1",
+        options: GroupOptions | None = None,
     ) -> None:
         """Connect this rank to the others; blocks until every rank has arrived.
 
@@ -68,7 +70,7 @@ class GlooGroup(BaseGroup):
             CollectiveError: gloo or its store failed to start.
 
         """
-        super().__init__(world_size, rank, group_name, timeout)
+        super().__init__(world_size, rank, group_name, timeout, options)
         self._tcp_store: Any = None
         self._pg: Any = None
         self._watch: FailureWatch | None = None

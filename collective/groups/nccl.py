@@ -61,6 +61,7 @@ from collective.types import (
     BroadcastOptions,
     CollectiveError,
     CollectiveTimeoutError,
+    GroupOptions,
     ReduceOptions,
     ReduceScatterOptions,
 )
@@ -85,6 +86,7 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         store: RendezvousStore,
         timeout: timedelta = DEFAULT_TIMEOUT,
         host: str = "127.0.0.1",
+        options: GroupOptions | None = None,
     ) -> None:
         """Wait for every rank to arrive; communicators are made on first use, via ``store``.
 
@@ -95,7 +97,7 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
             CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
 
         """
-        super().__init__(world_size, rank, group_name, timeout)
+        super().__init__(world_size, rank, group_name, timeout, options)
         self._cupy = cupy_module()
         try:
             meet(store, f"nccl/{group_name}/init", rank, world_size, timeout)
