@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from collective.groups.base import BaseGroup
-from collective.groups.gloo import GlooGroup
+from collective.groups.cpu import CpuGroup
 from collective.groups.nccl import NCCLGroup
 from collective.types import Backend, CollectiveError
 
@@ -21,7 +21,7 @@ _KV_NAMESPACE = "collective.backends"
 
 _lock = threading.Lock()
 _classes: dict[str, type[BaseGroup]] = {
-    Backend.GLOO.value: GlooGroup,
+    Backend.GLOO.value: CpuGroup,
     Backend.NCCL.value: NCCLGroup,
 }
 _BUILT_IN = frozenset(_classes)

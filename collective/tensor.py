@@ -132,11 +132,12 @@ def _self_overlapping(x: Any) -> bool:
 
 
 class CpuBuffer:
-    """A contiguous CPU torch tensor standing for a user buffer during one op.
+    """A contiguous CPU buffer standing for a user buffer during one op.
 
-    The tensor shares memory with the user's buffer when that buffer is contiguous
-    and writable. Otherwise it is a staged copy, and ``commit`` copies the result
-    back into the user's buffer.
+    It shares memory with the user's buffer when that buffer is contiguous and
+    writable. Otherwise it is a staged copy, and ``commit`` copies the result
+    back into the user's buffer. ``tensor`` is it as a torch tensor (for gloo);
+    ``bytes`` is it as a flat numpy ``uint8`` array (for shared memory).
     """
 
     def __init__(self, source: Any, name: str, writable: bool) -> None:
@@ -147,6 +148,7 @@ class CpuBuffer:
 
         """
         self._source = source
+        self._tensor: Any = None
         is_numpy = isinstance(source, np.ndarray)
         if is_numpy:
             shares = source.flags.c_contiguous and source.flags.writeable
@@ -161,21 +163,51 @@ class CpuBuffer:
         if is_numpy:
             if writable and not source.flags.writeable:
                 raise ValueError(f"{name} is a read-only array but the op writes into it")
+            self._array: Any = (
+                source if source.flags.c_contiguous else np.array(source, order="C", copy=True)
+            )
+        else:
+            self._array = None
+            self._tensor = source if shares else source.contiguous()
+
+    @property
+    def tensor(self) -> Any:
+        """Return the buffer as a contiguous CPU torch tensor."""
+        if self._tensor is None:
             import torch
 
-            array = source if shares else np.array(source, order="C", copy=True)
-            self.tensor = torch.from_numpy(array)
-        else:
-            self.tensor = source if shares else source.contiguous()
+            self._tensor = torch.from_numpy(self._array)
+        return self._tensor
+
+    @property
+    def bytes(self) -> np.ndarray:
+        """Return the buffer's memory as a flat ``uint8`` numpy array (a view)."""
+        if self._array is not None:
+            return self._array.reshape(-1).view(np.uint8)
+        import torch
+
+        return self._tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+    @property
+    def dtype(self) -> str:
+        """Return the buffer's dtype name, e.g. ``"bfloat16"``."""
+        if self._array is not None:
+            return self._array.dtype.name
+        return str(self._tensor.dtype).removeprefix("torch.")
+
+    @property
+    def torch_dtype(self) -> Any:
+        """Return the buffer's dtype as a torch dtype."""
+        return self.tensor.dtype
 
     def commit(self) -> None:
         """Copy the result into the user's buffer if it was staged; otherwise do nothing."""
         if not self._staged:
             return
         if isinstance(self._source, np.ndarray):
-            np.copyto(self._source, self.tensor.numpy())
+            np.copyto(self._source, self._array)
         else:
-            self._source.copy_(self.tensor)
+            self._source.copy_(self._tensor)
 
 
 def is_buffer(x: Any) -> bool:

@@ -165,18 +165,37 @@ def test_check_args_must_be_a_bool(value: Any, members: list) -> None:
         )
 
 
-def _unchecked(rank: int, name: str) -> list[float]:
-    col.init_collective_group(2, rank, backend="gloo", group_name=name, timeout=OP_TIMEOUT)
+def _unchecked(rank: int, name: str, transport: str) -> list[float] | str:
+    col.init_collective_group(
+        2, rank, backend="gloo", group_name=name, timeout=OP_TIMEOUT, cpu_transport=transport
+    )
     x = np.full(4, float(rank + 1))
-    col.allreduce(x, name, col.ReduceOp.MAX if rank == 0 else col.ReduceOp.SUM)
-    col.destroy_collective_group(name)
+    try:
+        col.allreduce(x, name, col.ReduceOp.MAX if rank == 0 else col.ReduceOp.SUM)
+    except col.CollectiveError as exc:
+        return str(exc)
+    finally:
+        col.destroy_collective_group(name)
     return x.tolist()
 
 
-def test_without_the_check_a_reduce_op_mismatch_goes_unnoticed(members: list) -> None:
-    """Document the unchecked behaviour: no error, and numbers that are neither answer."""
+def test_without_the_check_gloo_misses_a_reduce_op_mismatch(members: list) -> None:
+    """Document the unchecked behaviour over TCP: no error, and numbers that are neither answer."""
     name = unique_name("unchecked")
-    results = run_all(members[:2], _unchecked, [0, 1], [name, name])
+    results = run_all(members[:2], _unchecked, [0, 1], [name, name], ["gloo"] * 2)
     assert results[0] == results[1]
     assert results[0] not in ([2.0] * 4, [3.0] * 4)
+    assert store_actor_name(name) not in our_named_actors()
+
+
+def test_without_the_check_shared_memory_still_catches_a_reduce_op_mismatch(
+    members: list,
+) -> None:
+    """Shared memory's slots carry each op's signature, so a mismatch fails instead of lying."""
+    name = unique_name("unchecked")
+    results = run_all(members[:2], _unchecked, [0, 1], [name, name], ["shm"] * 2)
+    for message in results:
+        assert isinstance(message, str), message
+        assert "different ops" in message or "aborted" in message, message
+    assert any("check_args=True" in m for m in results), results
     assert store_actor_name(name) not in our_named_actors()

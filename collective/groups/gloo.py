@@ -9,12 +9,14 @@ from typing import Any
 from collective.groups.base import BaseGroup
 from collective.groups.gloo_work import (
     GlooWork,
+    buffer_list,
     c10d,
     c10d_reduce_op,
     call_options,
     commit_all,
     connect_tcp_store,
     is_timeout,
+    one_buffer,
 )
 from collective.groups.watch import FailureWatch
 from collective.store import RendezvousStore, meet
@@ -179,17 +181,8 @@ class GlooGroup(BaseGroup):
             work.wait()
         return work
 
-    @staticmethod
-    def _one(tensors: Sequence[Any], name: str, writable: bool) -> CpuBuffer:
-        if len(tensors) != 1:
-            raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
-        return CpuBuffer(tensors[0], name, writable)
-
-    @staticmethod
-    def _list(tensor_lists: Sequence[Sequence[Any]], name: str, writable: bool) -> list[CpuBuffer]:
-        if len(tensor_lists) != 1:
-            raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensor_lists)}")
-        return [CpuBuffer(t, f"{name}[{i}]", writable) for i, t in enumerate(tensor_lists[0])]
+    _one = staticmethod(one_buffer)
+    _list = staticmethod(buffer_list)
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""

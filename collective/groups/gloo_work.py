@@ -71,6 +71,22 @@ def connect_tcp_store(store: RendezvousStore, rank: int, host: str, timeout: tim
     return c10d().TCPStore(master, int(port), None, False, timeout)
 
 
+def one_buffer(tensors: Sequence[Any], name: str, writable: bool) -> CpuBuffer:
+    """Return the single CPU buffer of a CPU group's op, or raise if there is not one."""
+    if len(tensors) != 1:
+        raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
+    return CpuBuffer(tensors[0], name, writable)
+
+
+def buffer_list(
+    tensor_lists: Sequence[Sequence[Any]], name: str, writable: bool
+) -> list[CpuBuffer]:
+    """Return the buffers of a CPU group's single tensor list, or raise if there is not one."""
+    if len(tensor_lists) != 1:
+        raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensor_lists)}")
+    return [CpuBuffer(t, f"{name}[{i}]", writable) for i, t in enumerate(tensor_lists[0])]
+
+
 def commit_all(buffers: Sequence[CpuBuffer]) -> None:
     """Write every staged buffer of an op back into its user buffer."""
     for buffer in buffers:

@@ -1,0 +1,482 @@
+"""CpuGroup: the CPU backend; shared memory inside a node, Gloo between nodes, picked at init.
+
+``cpu_connect`` decides at init which transports run (see there); this module
+runs the ops on them. Blocking ops run in the caller's thread; async ones, and
+sends and receives per peer, on lanes (``lanes``) so that each stream keeps its
+order. A failure seen by one rank breaks the group on every rank: the arena's
+abort word stops the local peers at once, and the failure watch tells the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from collective.groups.base import BaseGroup
+from collective.groups.cpu_connect import Member, Transports, connect
+from collective.groups.gloo import GlooGroup
+from collective.groups.gloo_work import buffer_list, c10d, commit_all, one_buffer
+from collective.groups.lanes import Lane, Task
+from collective.groups.plans import Flat, Hierarchy
+from collective.groups.shm.algorithms import Collectives, SizeMismatchError, Solo
+from collective.groups.shm.arena import OP_SEQ
+from collective.groups.shm.mail import Mail, MessageMismatchError
+from collective.groups.shm.steps import MismatchError, Steps, dtype_code
+from collective.groups.shm.sync import AbortedError, PeerDiedError, Waiter
+from collective.groups.watch import FailureWatch
+from collective.store import RendezvousStore
+from collective.tensor import DTYPES
+from collective.types import (
+    DEFAULT_TIMEOUT,
+    AllGatherOptions,
+    AllReduceOptions,
+    AllToAllOptions,
+    Backend,
+    BarrierOptions,
+    BroadcastOptions,
+    CollectiveError,
+    CollectiveTimeoutError,
+    GatherOptions,
+    GroupOptions,
+    RecvOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+    SendOptions,
+)
+from collective.work import CompletedWork, Work
+
+_DONE = CompletedWork()
+_IDLE_S = 1.0
+"""The longest destroy waits for ops running in other threads to give up."""
+
+
+class CpuGroup(BaseGroup):
+    """A group of CPU ranks: shared memory among ranks of a node, Gloo between nodes."""
+
+    device_type = "cpu"
+    dtypes = DTYPES
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        store: RendezvousStore,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        host: str = "127.0.0.1",
+        options: GroupOptions | None = None,
+        *,
+        node: str | None = None,
+        slot_bytes: int | None = None,
+    ) -> None:
+        """Meet the other ranks, pick the transport and connect; blocks until all arrive.
+
+        Args:
+            world_size: the number of ranks.
+            rank: this rank.
+            group_name: the group's name.
+            store: where the ranks meet.
+            timeout: the default timeout of every wait and op.
+            host: the address Gloo binds to.
+            options: the group's settings; ``cpu_transport`` picks the transport.
+            node: this rank's node id; None detects it (tests pass one to fake nodes).
+            slot_bytes: the arena's slot size; None picks one (tests pass small ones).
+
+        Raises:
+            CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
+            CollectiveError: a transport failed to start, or ``cpu_transport="shm"``
+                was asked for and shared memory cannot be used.
+
+        """
+        super().__init__(world_size, rank, group_name, timeout, options)
+        self._closing = False
+        self._found = Transports()
+        self._waiter: Waiter | None = None
+        self._steps: Steps | None = None
+        self._mail: Mail | None = None
+        self._plan: Flat | Hierarchy | None = None
+        self._watch: FailureWatch | None = None
+        self._lanes: dict[str, Lane] = {}
+        member = Member(world_size, rank, group_name, store, timeout, host, self.options)
+        try:
+            connect(member, self._found, node, slot_bytes)
+            if self._found.mode != "gloo":
+                self._start_shm()
+                self._watch = FailureWatch(store, rank, world_size, group_name)
+        except TimeoutError as exc:
+            self.destroy_group()
+            raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
+        except BaseException:
+            self.destroy_group()
+            raise
+        self._gloo = self._found.gloo
+        self._full = self._found.full
+        self._topology = self._found.topology
+
+    @property
+    def transport(self) -> str:
+        """Return how this group moves bytes: "shm", "hierarchical" or "gloo"."""
+        return self._found.mode
+
+    def _start_shm(self) -> None:
+        """Make the node's collectives and the op plan over the connected transports."""
+        found = self._found
+        topo = found.topology
+        if topo is None:
+            raise CollectiveError("the group's topology is unknown")
+        local: Collectives | Solo = Solo()
+        if found.arena is not None and found.liveness is not None:
+            self._waiter = Waiter(found.arena, topo.local_rank, found.liveness, self._interrupted)
+            self._steps = Steps(found.arena, topo.local_rank, self._waiter)
+            self._mail = Mail(found.arena, topo.local_rank, self._waiter)
+            local = Collectives(self._steps)
+        if found.mode == "shm":
+            self._plan = Flat(local, self.world_size)
+        else:
+            self._plan = Hierarchy(topo, local, self._mail, found.leaders, self.world_size)
+
+    # --- identity ----------------------------------------------------------------------------
+
+    @classmethod
+    def backend(cls) -> Backend:
+        """Return ``Backend.GLOO``: users keep writing ``backend="gloo"``."""
+        return Backend.GLOO
+
+    @classmethod
+    def check_backend_availability(cls) -> bool:
+        """Return whether torch with gloo support is importable."""
+        try:
+            c10d()
+        except CollectiveError:
+            return False
+        return True
+
+    @property
+    def error(self) -> CollectiveError | None:
+        """Return the failure that made this group unusable, or None if it is healthy."""
+        gloo = self._found.gloo
+        return gloo.error if gloo is not None else self._error
+
+    # --- running ops -------------------------------------------------------------------------
+
+    def _interrupted(self) -> str | None:
+        """Return why every wait of this rank must end now, or None."""
+        if self._closing:
+            return "the group was destroyed"
+        watch = self._watch
+        return watch.failure if watch is not None else None
+
+    def _lane(self, name: str) -> Lane:
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes.setdefault(name, Lane(f"collective-{self.group_name}-{name}"))
+        return lane
+
+    def _submit(
+        self, op: str, options: Any, body: Callable[[float], None], lane: str = "collective"
+    ) -> Work:
+        """Run ``body(deadline)`` as op ``op`` on ``lane``, inline or queued; see ``Lane``."""
+        watch = self._watch
+        if self._error is None and watch is not None and watch.failure is not None:
+            self._error = CollectiveError(
+                f"{op} on group {self.group_name!r} was aborted on rank {self.rank}: "
+                f"{watch.failure}"
+            )
+        self._check_usable(destroyed=self._closing)
+        timeout = options.timeout or self.timeout
+
+        def run() -> None:
+            try:
+                body(time.monotonic() + timeout.total_seconds())
+            except BaseException as exc:
+                raise self._failed(op, timeout, exc) from exc
+
+        task = Task(run, lambda waited: self._expired(op, waited))
+        self._lane(lane).submit(task, options.async_op)
+        if options.async_op:
+            return task
+        task.wait()
+        return _DONE
+
+    def _failed(self, op: str, timeout: timedelta, exc: BaseException) -> BaseException:
+        """Turn what ``exc`` says into the error the caller sees; break the group if needed."""
+        if isinstance(exc, SizeMismatchError):
+            return exc
+        where = f"{op} on group {self.group_name!r}"
+        if isinstance(exc, MessageMismatchError):
+            return CollectiveError(f"{where} failed on rank {self.rank}: {exc}")
+        if self._closing:
+            return CollectiveError(f"{where} ended on rank {self.rank}: the group was destroyed")
+        if isinstance(exc, CollectiveError):
+            error = exc
+        elif isinstance(exc, TimeoutError):
+            error = CollectiveTimeoutError(
+                op, self.group_name, self.rank, timeout, self._laggards()
+            )
+        elif isinstance(exc, PeerDiedError):
+            dead = self._global_rank(exc.local_rank)
+            error = CollectiveError(f"{where} failed on rank {self.rank}: rank {dead} died")
+        elif isinstance(exc, AbortedError):
+            error = CollectiveError(f"{where} was aborted on rank {self.rank}: {exc}")
+        elif isinstance(exc, MismatchError):
+            error = CollectiveError(
+                f"{where} failed on rank {self.rank}: {exc}; pass check_args=True to the "
+                "group to catch such calls before any data moves"
+            )
+        else:
+            error = CollectiveError(f"{where} failed on rank {self.rank}: {exc!r}")
+        self._break(error)
+        return error
+
+    def _expired(self, op: str, waited: timedelta) -> CollectiveTimeoutError:
+        """Return the error of a ``Work.wait`` that ran out, and break the group."""
+        error = CollectiveTimeoutError(op, self.group_name, self.rank, waited, self._laggards())
+        self._break(error)
+        return error
+
+    def _break(self, error: CollectiveError) -> None:
+        """Mark the group unusable, stop the local peers' waits, and tell every rank."""
+        if self._error is None:
+            self._error = error
+        if self._waiter is not None and self._steps is not None and self._mail is not None:
+            self._waiter.abort(self._steps.all_counters() + self._mail.counters())
+        if self._watch is not None:
+            self._watch.report(str(error))
+
+    def _global_rank(self, local_rank: int) -> int:
+        topo = self._topology
+        return topo.local_ranks[local_rank] if topo is not None else local_rank
+
+    def _laggards(self) -> str:
+        """Describe which local ranks have not reached this rank's current collective."""
+        arena = self._found.arena
+        if self._steps is None or arena is None:
+            return "the ranks on other nodes did not answer in time"
+        mine = self._steps.op
+        behind = [
+            f"rank {self._global_rank(r)} (at op #{int(arena.control[r, OP_SEQ])})"
+            for r in range(self._steps.size)
+            if arena.control[r, OP_SEQ] < mine
+        ]
+        if not behind:
+            return f"every local rank reached op #{mine}; one of them did not finish it"
+        return f"op #{mine} was never reached by " + ", ".join(behind)
+
+    # --- ops ---------------------------------------------------------------------------------
+
+    def _planned(self) -> Flat | Hierarchy:
+        if self._plan is None:
+            raise CollectiveError(f"group {self.group_name!r} has been destroyed")
+        return self._plan
+
+    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
+        """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""
+        if self._gloo is not None:
+            return self._gloo.allreduce(tensors, options)
+        buf, plan = one_buffer(tensors, "tensor", True), self._planned()
+
+        def body(deadline: float) -> None:
+            plan.allreduce(buf, options.reduce_op, deadline)
+            buf.commit()
+
+        return self._submit("allreduce", options, body)
+
+    def barrier(self, options: BarrierOptions) -> Work:
+        """Block until every rank has entered the barrier."""
+        if self._gloo is not None:
+            return self._gloo.barrier(options)
+        return self._submit("barrier", options, self._planned().barrier)
+
+    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
+        """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
+        if self._gloo is not None:
+            return self._gloo.reduce(tensors, options)
+        root = options.root_rank
+        buf, plan = one_buffer(tensors, "tensor", self.rank == root), self._planned()
+
+        def body(deadline: float) -> None:
+            plan.reduce(buf, options.reduce_op, root, deadline)
+            buf.commit()
+
+        return self._submit("reduce", options, body)
+
+    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
+        """Copy the root's tensor into every other rank's tensor, in place."""
+        if self._gloo is not None:
+            return self._gloo.broadcast(tensors, options)
+        root = options.root_rank
+        buf, plan = one_buffer(tensors, "tensor", self.rank != root), self._planned()
+
+        def body(deadline: float) -> None:
+            plan.broadcast(buf, root, deadline)
+            buf.commit()
+
+        return self._submit("broadcast", options, body)
+
+    def allgather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: AllGatherOptions,
+    ) -> Work:
+        """Write rank i's tensor into element i of every rank's list."""
+        if self._gloo is not None:
+            return self._gloo.allgather(tensor_lists, tensors, options)
+        source = one_buffer(tensors, "tensor", False)
+        outputs, plan = buffer_list(tensor_lists, "tensor_list", True), self._planned()
+
+        def body(deadline: float) -> None:
+            plan.allgather(source, outputs, deadline)
+            commit_all(outputs)
+
+        return self._submit("allgather", options, body)
+
+    def reducescatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ReduceScatterOptions,
+    ) -> Work:
+        """Reduce element i of every rank's list into rank i's tensor; inputs stay unchanged."""
+        if self._gloo is not None:
+            return self._gloo.reducescatter(tensors, tensor_lists, options)
+        output = one_buffer(tensors, "tensor", True)
+        inputs, plan = buffer_list(tensor_lists, "tensor_list", False), self._planned()
+
+        def body(deadline: float) -> None:
+            plan.reducescatter(output, inputs, options.reduce_op, deadline)
+            output.commit()
+
+        return self._submit("reducescatter", options, body)
+
+    def gather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: GatherOptions,
+    ) -> Work:
+        """Write rank i's tensor into element i of the root's list."""
+        gloo = self._gloo or self._full
+        if gloo is not None:
+            return gloo.gather(tensor_lists, tensors, options)
+        source = one_buffer(tensors, "tensor", False)
+        outputs, plan = buffer_list(tensor_lists, "gather_list", True), self._planned()
+        if not isinstance(plan, Flat):
+            raise CollectiveError("gather across nodes goes over Gloo")
+
+        def body(deadline: float) -> None:
+            plan.gather(source, outputs, options.root_rank, deadline)
+            commit_all(outputs)
+
+        return self._submit("gather", options, body)
+
+    def scatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ScatterOptions,
+    ) -> Work:
+        """Write element i of the root's list into rank i's tensor."""
+        gloo = self._gloo or self._full
+        if gloo is not None:
+            return gloo.scatter(tensors, tensor_lists, options)
+        output = one_buffer(tensors, "tensor", True)
+        inputs, plan = buffer_list(tensor_lists, "scatter_list", False), self._planned()
+        if not isinstance(plan, Flat):
+            raise CollectiveError("scatter across nodes goes over Gloo")
+
+        def body(deadline: float) -> None:
+            plan.scatter(output, inputs, options.root_rank, deadline)
+            output.commit()
+
+        return self._submit("scatter", options, body)
+
+    def alltoall(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
+    ) -> Work:
+        """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j."""
+        gloo = self._gloo or self._full
+        if gloo is not None:
+            return gloo.alltoall(outputs, inputs, options)
+        outs = buffer_list([outputs], "output", True)
+        ins, plan = buffer_list([inputs], "input", False), self._planned()
+        if not isinstance(plan, Flat):
+            raise CollectiveError("alltoall across nodes goes over Gloo")
+
+        def body(deadline: float) -> None:
+            plan.alltoall(outs, ins, deadline)
+            commit_all(outs)
+
+        return self._submit("alltoall", options, body)
+
+    def _peer_mail(self, peer: int) -> Mail | None:
+        """Return the mailboxes to ``peer`` when it shares this rank's node, else None."""
+        topo = self._topology
+        if self._mail is None or topo is None or peer not in topo.local_ranks:
+            return None
+        return self._mail
+
+    def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
+        """Send the tensor to ``options.dst_rank``; completes once it has been handed over."""
+        peer = options.dst_rank
+        mail = self._peer_mail(peer)
+        if mail is None:
+            return self._tcp().send(tensors, options)
+        buf, local = one_buffer(tensors, "tensor", False), self._local_rank(peer)
+
+        def body(deadline: float) -> None:
+            mail.send(buf.bytes, local, dtype_code(buf.dtype), deadline)
+
+        return self._submit("send", options, body, lane=f"send-{peer}")
+
+    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
+        """Receive from ``options.src_rank`` into the tensor, in place."""
+        peer = options.src_rank
+        mail = self._peer_mail(peer)
+        if mail is None:
+            return self._tcp().recv(tensors, options)
+        buf, local = one_buffer(tensors, "tensor", True), self._local_rank(peer)
+
+        def body(deadline: float) -> None:
+            mail.recv(buf.bytes, local, dtype_code(buf.dtype), deadline)
+            buf.commit()
+
+        return self._submit("recv", options, body, lane=f"recv-{peer}")
+
+    def _tcp(self) -> GlooGroup:
+        gloo = self._gloo or self._full
+        if gloo is None:
+            raise CollectiveError(f"group {self.group_name!r} has been destroyed")
+        return gloo
+
+    def _local_rank(self, rank: int) -> int:
+        topo = self._topology
+        return topo.local_rank_of(rank) if topo is not None else rank
+
+    # --- teardown ----------------------------------------------------------------------------
+
+    def destroy_group(self) -> None:
+        """End every pending op with an error, release the transports, unmap the arena.
+
+        Ops running in other threads, or queued by ``async_op``, end with a
+        ``CollectiveError`` saying the group was destroyed; this returns once they
+        have (within about a wait slice), or after ``_IDLE_S`` at the most.
+        """
+        self._closing = True
+        if self._waiter is not None and self._steps is not None and self._mail is not None:
+            self._waiter.wake_all(self._steps.all_counters() + self._mail.counters())
+        error = CollectiveError(f"group {self.group_name!r} has been destroyed")
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.stop(error)
+        self._found.destroy_gloo()
+        if self._watch is not None:
+            self._watch.stop()
+        idle = all(lane.idle(_IDLE_S) for lane in lanes)
+        self._plan = None
+        if idle:
+            self._waiter, self._steps, self._mail = None, None, None
+            self._found.close_arena()

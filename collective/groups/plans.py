@@ -1,0 +1,257 @@
+"""How a shared-memory CPU group runs its ops: on one node (Flat) or across nodes (Hierarchy).
+
+``Flat`` hands each op to the node's shared-memory collectives. ``Hierarchy``
+composes them with Gloo among one leader rank per node, as NCCL composes its
+intra- and inter-node transports:
+
+- allreduce: reduce onto the leader in shared memory, allreduce among leaders,
+  broadcast from the leader in shared memory;
+- reduce: the same, with the result sent from the root node's leader to the root;
+- broadcast: the root sends to its leader, leaders broadcast, leaders broadcast locally;
+- allgather: gather onto the leader, allgather among leaders, broadcast locally;
+- reducescatter: reduce the whole input onto the leader, allreduce among leaders,
+  scatter each node's chunks locally;
+- barrier: a local barrier, a barrier among leaders, a local barrier.
+
+Leaders' Gloo calls get what is left of the op's deadline as their timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from collective.groups.gloo import GlooGroup
+from collective.groups.shm.algorithms import Collectives, Solo
+from collective.groups.shm.kernels import Reducer
+from collective.groups.shm.mail import Mail
+from collective.groups.shm.steps import dtype_code
+from collective.groups.topology import Topology
+from collective.tensor import CpuBuffer
+from collective.types import (
+    AllGatherOptions,
+    AllReduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceOp,
+    ReduceOptions,
+)
+
+Local = Collectives | Solo
+
+
+class Reducers:
+    """One ``Reducer`` per (op, dtype), made on first use."""
+
+    def __init__(self, world_size: int) -> None:
+        """Make reducers whose AVG divides by ``world_size``."""
+        self._world_size = world_size
+        self._made: dict[tuple[ReduceOp, str], Reducer] = {}
+
+    def get(self, op: ReduceOp, dtype: str) -> Reducer:
+        """Return the reducer of ``op`` on ``dtype``."""
+        reducer = self._made.get((op, dtype))
+        if reducer is None:
+            reducer = self._made[(op, dtype)] = Reducer(op, dtype, self._world_size)
+        return reducer
+
+
+class Flat:
+    """Every rank on one node: each op is one shared-memory collective."""
+
+    def __init__(self, local: Local, world_size: int) -> None:
+        """Run ops on ``local``, the node's collectives."""
+        self.local = local
+        self._reducers = Reducers(world_size)
+
+    def allreduce(self, buf: CpuBuffer, op: ReduceOp, deadline: float) -> None:
+        """Reduce into every rank's ``buf``."""
+        dtype = buf.dtype
+        self.local.allreduce(buf.bytes, self._reducers.get(op, dtype), dtype, deadline)
+
+    def reduce(self, buf: CpuBuffer, op: ReduceOp, root: int, deadline: float) -> None:
+        """Reduce onto ``root``'s ``buf``."""
+        dtype = buf.dtype
+        self.local.reduce(buf.bytes, root, self._reducers.get(op, dtype), dtype, deadline)
+
+    def broadcast(self, buf: CpuBuffer, root: int, deadline: float) -> None:
+        """Copy ``root``'s ``buf`` into every other rank's."""
+        self.local.broadcast(buf.bytes, root, buf.dtype, deadline)
+
+    def allgather(self, source: CpuBuffer, outputs: list[CpuBuffer], deadline: float) -> None:
+        """Write rank i's ``source`` into ``outputs[i]`` on every rank."""
+        out = [o.bytes for o in outputs]
+        self.local.allgather(source.bytes, out, source.dtype, deadline)
+
+    def reducescatter(
+        self, output: CpuBuffer, inputs: list[CpuBuffer], op: ReduceOp, deadline: float
+    ) -> None:
+        """Reduce ``inputs[i]`` of every rank into rank i's ``output``."""
+        dtype = output.dtype
+        reducer = self._reducers.get(op, dtype)
+        self.local.reducescatter([i.bytes for i in inputs], output.bytes, reducer, dtype, deadline)
+
+    def barrier(self, deadline: float) -> None:
+        """Return once every rank has entered the barrier."""
+        self.local.barrier(deadline)
+
+    def gather(
+        self, source: CpuBuffer, outputs: list[CpuBuffer], root: int, deadline: float
+    ) -> None:
+        """Write rank i's ``source`` into ``outputs[i]`` on ``root`` (no outputs elsewhere)."""
+        out = [o.bytes for o in outputs]
+        self.local.gather(source.bytes, out, root, source.dtype, deadline)
+
+    def scatter(
+        self, output: CpuBuffer, inputs: list[CpuBuffer], root: int, deadline: float
+    ) -> None:
+        """Write ``root``'s ``inputs[i]`` into rank i's ``output`` (no inputs elsewhere)."""
+        ins = [i.bytes for i in inputs]
+        self.local.scatter(ins, output.bytes, root, output.dtype, deadline)
+
+    def alltoall(self, outputs: list[CpuBuffer], inputs: list[CpuBuffer], deadline: float) -> None:
+        """Send ``inputs[j]`` to rank j; ``outputs[j]`` receives what rank j sends here."""
+        dtype = inputs[0].dtype if inputs else ""
+        ins, outs = [i.bytes for i in inputs], [o.bytes for o in outputs]
+        self.local.alltoall(ins, outs, dtype, deadline)
+
+
+def _tensor(data: np.ndarray, like: CpuBuffer) -> Any:
+    """Return the bytes ``data`` as a torch tensor of ``like``'s dtype, sharing memory."""
+    import torch
+
+    return torch.from_numpy(data).view(like.torch_dtype)
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+
+class Hierarchy:
+    """Ranks on several nodes: shared memory inside each, Gloo among the nodes' leaders."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        local: Local,
+        mail: Mail | None,
+        leaders: GlooGroup | None,
+        world_size: int,
+    ) -> None:
+        """Compose ``local`` (this node's collectives) with ``leaders`` (on leaders only)."""
+        self.topo = topo
+        self.local = local
+        self._mail = mail
+        self._leaders = leaders
+        self._world_size = world_size
+        self._reducers = Reducers(world_size)
+
+    def _local_op(self, op: ReduceOp, dtype: str) -> Reducer:
+        """Return the reducer of the local stages: AVG sums, and divides only at the end."""
+        return self._reducers.get(ReduceOp.SUM if op is ReduceOp.AVG else op, dtype)
+
+    def _finish(self, op: ReduceOp, dtype: str, data: np.ndarray) -> None:
+        if op is ReduceOp.AVG:
+            self._reducers.get(op, dtype).finish(data)
+
+    def _mailbox(self) -> Mail:
+        if self._mail is None:
+            raise RuntimeError("a node of one rank has no mailboxes")
+        return self._mail
+
+    def _leader(self) -> GlooGroup:
+        if self._leaders is None:
+            raise RuntimeError("only a node's leader talks to the other nodes")
+        return self._leaders
+
+    def allreduce(self, buf: CpuBuffer, op: ReduceOp, deadline: float) -> None:
+        """Reduce into every rank's ``buf``."""
+        dtype, data = buf.dtype, buf.bytes
+        self.local.reduce(data, 0, self._local_op(op, dtype), dtype, deadline)
+        if self.topo.is_leader:
+            gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
+            options = AllReduceOptions(gloo_op, _left(deadline))
+            self._leader().allreduce([_tensor(data, buf)], options)
+            self._finish(op, dtype, data)
+        self.local.broadcast(data, 0, dtype, deadline)
+
+    def reduce(self, buf: CpuBuffer, op: ReduceOp, root: int, deadline: float) -> None:
+        """Reduce onto ``root``'s ``buf``; every other rank's stays as it was."""
+        topo, dtype = self.topo, buf.dtype
+        root_node = topo.node_of(root)
+        leader_of_root = topo.leaders[root_node]
+        in_place = not topo.is_leader or topo.rank == root
+        data = buf.bytes if in_place else buf.bytes.copy()
+        self.local.reduce(data, 0, self._local_op(op, dtype), dtype, deadline)
+        if topo.is_leader:
+            gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
+            options = ReduceOptions(gloo_op, root_node, 0, _left(deadline))
+            self._leader().reduce([_tensor(data, buf)], options)
+            if topo.node == root_node:
+                self._finish(op, dtype, data)
+        if topo.node == root_node and root != leader_of_root:
+            if topo.rank == leader_of_root:
+                self._mailbox().send(data, topo.local_rank_of(root), dtype_code(dtype), deadline)
+            elif topo.rank == root:
+                self._mailbox().recv(buf.bytes, 0, dtype_code(dtype), deadline)
+
+    def broadcast(self, buf: CpuBuffer, root: int, deadline: float) -> None:
+        """Copy ``root``'s ``buf`` into every other rank's; the root's is only read."""
+        topo, dtype = self.topo, buf.dtype
+        root_node = topo.node_of(root)
+        leader_of_root = topo.leaders[root_node]
+        data = buf.bytes.copy() if topo.rank == root and not topo.is_leader else buf.bytes
+        if topo.node == root_node and root != leader_of_root:
+            if topo.rank == root:
+                self._mailbox().send(data, 0, dtype_code(dtype), deadline)
+            elif topo.rank == leader_of_root:
+                self._mailbox().recv(data, topo.local_rank_of(root), dtype_code(dtype), deadline)
+        if topo.is_leader:
+            options = BroadcastOptions(root_node, 0, _left(deadline))
+            self._leader().broadcast([_tensor(data, buf)], options)
+        self.local.broadcast(data, 0, dtype, deadline)
+
+    def allgather(self, source: CpuBuffer, outputs: list[CpuBuffer], deadline: float) -> None:
+        """Write rank i's ``source`` into ``outputs[i]`` on every rank."""
+        topo, dtype, piece = self.topo, source.dtype, source.bytes
+        size = piece.size
+        widest = max(len(ranks) for ranks in topo.nodes)
+        full = np.zeros(len(topo.nodes) * widest * size, dtype=np.uint8)
+        block = full.reshape(len(topo.nodes), widest, size)
+        mine = block[topo.node]
+        gathered = [mine[i] for i in range(len(topo.local_ranks))]
+        self.local.gather(piece, gathered if topo.is_leader else [], 0, dtype, deadline)
+        if topo.is_leader:
+            rows = [_tensor(block[n].reshape(-1), source) for n in range(len(topo.nodes))]
+            ours = _tensor(mine.reshape(-1).copy(), source)
+            self._leader().allgather([rows], [ours], AllGatherOptions(_left(deadline)))
+        self.local.broadcast(full, 0, dtype, deadline)
+        for node, ranks in enumerate(topo.nodes):
+            for i, rank in enumerate(ranks):
+                outputs[rank].bytes[:] = block[node, i]
+
+    def reducescatter(
+        self, output: CpuBuffer, inputs: list[CpuBuffer], op: ReduceOp, deadline: float
+    ) -> None:
+        """Reduce ``inputs[i]`` of every rank into rank i's ``output``."""
+        topo, dtype = self.topo, output.dtype
+        size = output.bytes.size
+        whole = np.concatenate([i.bytes for i in inputs]) if inputs else np.zeros(0, np.uint8)
+        self.local.reduce(whole, 0, self._local_op(op, dtype), dtype, deadline)
+        if topo.is_leader:
+            gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
+            options = AllReduceOptions(gloo_op, _left(deadline))
+            self._leader().allreduce([_tensor(whole, output)], options)
+            self._finish(op, dtype, whole)
+        chunks = [whole[r * size : (r + 1) * size] for r in topo.local_ranks]
+        self.local.scatter(chunks if topo.is_leader else [], output.bytes, 0, dtype, deadline)
+
+    def barrier(self, deadline: float) -> None:
+        """Return once every rank has entered the barrier."""
+        self.local.barrier(deadline)
+        if self.topo.is_leader:
+            self._leader().barrier(BarrierOptions(_left(deadline)))
+        self.local.barrier(deadline)

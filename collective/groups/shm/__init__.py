@@ -1,0 +1,1 @@
+"""The shared-memory transport of CPU groups: an arena per node, its waits, its algorithms."""

@@ -1,0 +1,316 @@
+"""The collectives among the ranks of one node, pipelined through the arena's slots.
+
+Every op works on flat ``uint8`` arrays and cuts its message into steps of at
+most one slot; each rank decides the step count from arguments every rank
+shares, once per call. Reductions read every contribution from the slots in
+rank order, so every rank computes the same bits. Roots and ranks here are
+local ranks (indices among the node's ranks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collective.groups.shm.kernels import Reducer
+from collective.groups.shm.steps import Signature, Steps
+
+_PIECE_ALIGN = 64
+"""Pieces of a slot shared among ranks start at multiples of this many bytes."""
+
+
+def _spans(nbytes: int, step_bytes: int) -> list[tuple[int, int]]:
+    """Return the ``[start, end)`` byte spans of the steps of an ``nbytes`` message."""
+    if nbytes == 0:
+        return [(0, 0)]
+    return [(a, min(a + step_bytes, nbytes)) for a in range(0, nbytes, step_bytes)]
+
+
+def _piece_bytes(steps: Steps, itemsize: int = 8) -> int:
+    """Return the bytes of each rank's piece when one slot holds one piece per rank."""
+    piece = steps.slot_bytes // steps.size // _PIECE_ALIGN * _PIECE_ALIGN
+    return max(piece, itemsize)
+
+
+class Collectives:
+    """The collective ops of one local rank over the arena's slots."""
+
+    def __init__(self, steps: Steps) -> None:
+        """Run ops through ``steps``."""
+        self.steps = steps
+        self.size = steps.size
+        self.rank = steps.rank
+
+    def barrier(self, deadline: float) -> None:
+        """Return once every local rank has entered the barrier."""
+        steps = self.steps
+        steps.begin(Signature("barrier"))
+        step = steps.next()
+        steps.post(step)
+        steps.collect_all(step, deadline)
+        steps.done(step)
+
+    def broadcast(self, data: np.ndarray, root: int, dtype: str, deadline: float) -> None:
+        """Copy ``root``'s ``data`` into every other rank's ``data``, in place."""
+        steps, me = self.steps, self.rank
+        steps.begin(Signature("broadcast", dtype, root=root, nbytes=data.size))
+        for start, end in _spans(data.size, steps.slot_bytes):
+            step = steps.next()
+            if me == root:
+                steps.free(step, deadline)
+                steps.slot(step)[: end - start] = data[start:end]
+                steps.post(step)
+            else:
+                steps.collect(root, step, deadline)
+                data[start:end] = steps.peer_slot(root, step)[: end - start]
+            steps.done(step)
+
+    def reduce(
+        self, data: np.ndarray, root: int, reducer: Reducer, dtype: str, deadline: float
+    ) -> None:
+        """Reduce every rank's ``data`` onto ``root``'s ``data``; the others' stay as they were."""
+        steps, me = self.steps, self.rank
+        signature = Signature("reduce", dtype, reducer.op.value, root, data.size)
+        steps.begin(signature)
+        for start, end in _spans(data.size, steps.slot_bytes):
+            step = steps.next()
+            length = end - start
+            if me != root:
+                steps.free(step, deadline)
+                steps.slot(step)[:length] = data[start:end]
+                steps.post(step)
+            else:
+                out = data[start:end]
+                for rank in steps.others:
+                    steps.collect(rank, step, deadline)
+                    reducer(out, steps.peer_slot(rank, step)[:length], out)
+                reducer.finish(out)
+            steps.done(step)
+
+    def allreduce(self, data: np.ndarray, reducer: Reducer, dtype: str, deadline: float) -> None:
+        """Reduce every rank's ``data`` into every rank's ``data``, in place."""
+        steps = self.steps
+        steps.begin(Signature("allreduce", dtype, reducer.op.value, -1, data.size))
+        for start, end in _spans(data.size, steps.slot_bytes):
+            step = steps.next()
+            length = end - start
+            steps.free(step, deadline)
+            steps.slot(step)[:length] = data[start:end]
+            steps.post(step)
+            steps.collect_all(step, deadline)
+            out = data[start:end]
+            slots = [steps.peer_slot(r, step)[:length] for r in range(self.size)]
+            reducer(slots[0], slots[1], out)
+            for contribution in slots[2:]:
+                reducer(out, contribution, out)
+            reducer.finish(out)
+            steps.done(step)
+
+    def allgather(
+        self, piece: np.ndarray, outputs: list[np.ndarray], dtype: str, deadline: float
+    ) -> None:
+        """Write every rank's ``piece`` into ``outputs[rank]`` on every rank."""
+        steps, me = self.steps, self.rank
+        steps.begin(Signature("allgather", dtype, nbytes=piece.size))
+        for start, end in _spans(piece.size, steps.slot_bytes):
+            step = steps.next()
+            length = end - start
+            steps.free(step, deadline)
+            steps.slot(step)[:length] = piece[start:end]
+            steps.post(step)
+            outputs[me][start:end] = piece[start:end]
+            for rank in steps.others:
+                steps.collect(rank, step, deadline)
+                outputs[rank][start:end] = steps.peer_slot(rank, step)[:length]
+            steps.done(step)
+
+    def gather(
+        self, piece: np.ndarray, outputs: list[np.ndarray], root: int, dtype: str, deadline: float
+    ) -> None:
+        """Write every rank's ``piece`` into ``outputs[rank]`` on ``root`` (``[]`` elsewhere)."""
+        steps, me = self.steps, self.rank
+        steps.begin(Signature("gather", dtype, root=root, nbytes=piece.size))
+        for start, end in _spans(piece.size, steps.slot_bytes):
+            step = steps.next()
+            length = end - start
+            if me != root:
+                steps.free(step, deadline)
+                steps.slot(step)[:length] = piece[start:end]
+                steps.post(step)
+            else:
+                outputs[me][start:end] = piece[start:end]
+                for rank in steps.others:
+                    steps.collect(rank, step, deadline)
+                    outputs[rank][start:end] = steps.peer_slot(rank, step)[:length]
+            steps.done(step)
+
+    def scatter(
+        self, inputs: list[np.ndarray], output: np.ndarray, root: int, dtype: str, deadline: float
+    ) -> None:
+        """Write ``root``'s ``inputs[rank]`` into every rank's ``output``."""
+        steps, me = self.steps, self.rank
+        steps.begin(Signature("scatter", dtype, root=root, nbytes=output.size))
+        piece = _piece_bytes(steps)
+        for start, end in _spans(output.size, piece):
+            step = steps.next()
+            length = end - start
+            if me == root:
+                steps.free(step, deadline)
+                slot = steps.slot(step)
+                for rank in steps.others:
+                    slot[rank * piece : rank * piece + length] = inputs[rank][start:end]
+                steps.post(step)
+                output[start:end] = inputs[me][start:end]
+            else:
+                steps.collect(root, step, deadline)
+                offset = me * piece
+                output[start:end] = steps.peer_slot(root, step)[offset : offset + length]
+            steps.done(step)
+
+    def reducescatter(
+        self,
+        inputs: list[np.ndarray],
+        output: np.ndarray,
+        reducer: Reducer,
+        dtype: str,
+        deadline: float,
+    ) -> None:
+        """Reduce ``inputs[rank]`` of every rank into ``rank``'s ``output``; inputs stay."""
+        steps, me = self.steps, self.rank
+        signature = Signature("reducescatter", dtype, reducer.op.value, -1, output.size)
+        steps.begin(signature)
+        piece = _piece_bytes(steps, reducer.itemsize)
+        for start, end in _spans(output.size, piece):
+            step = steps.next()
+            length = end - start
+            steps.free(step, deadline)
+            slot = steps.slot(step)
+            for rank in range(self.size):
+                slot[rank * piece : rank * piece + length] = inputs[rank][start:end]
+            steps.post(step)
+            steps.collect_all(step, deadline)
+            offset = me * piece
+            parts = [steps.peer_slot(r, step)[offset : offset + length] for r in range(self.size)]
+            out = output[start:end]
+            reducer(parts[0], parts[1], out)
+            for contribution in parts[2:]:
+                reducer(out, contribution, out)
+            reducer.finish(out)
+            steps.done(step)
+
+    def alltoall(
+        self, inputs: list[np.ndarray], outputs: list[np.ndarray], dtype: str, deadline: float
+    ) -> None:
+        """Send ``inputs[j]`` to rank j; ``outputs[j]`` receives what rank j sends here.
+
+        The ranks first swap their sizes, so every rank knows every pair's size:
+        sizes that do not pair up raise ``SizeMismatchError`` on every rank alike, before
+        any data moves, and the group stays usable.
+        """
+        steps, me, n = self.steps, self.rank, self.size
+        steps.begin(Signature("alltoall", dtype))
+        step = steps.next()
+        steps.free(step, deadline)
+        mine = steps.slot(step)[: 16 * n].view(np.int64)
+        mine[:n] = [x.size for x in inputs]
+        mine[n:] = [x.size for x in outputs]
+        steps.post(step)
+        steps.collect_all(step, deadline)
+        table = np.stack([steps.peer_slot(r, step)[: 16 * n].view(np.int64) for r in range(n)])
+        steps.done(step)
+        sends, receives = table[:, :n], table[:, n:]
+        if not np.array_equal(sends, receives.T):
+            bad = [
+                f"rank {j} expects {int(receives[j, i])} bytes from rank {i}, which sends "
+                f"{int(sends[i, j])}"
+                for i in range(n)
+                for j in range(n)
+                if sends[i, j] != receives[j, i]
+            ]
+            raise SizeMismatchError("alltoall sizes do not pair up: " + "; ".join(bad))
+        outputs[me][:] = inputs[me]
+        piece = _piece_bytes(steps)
+        largest = int(sends.max(initial=0))
+        for start in range(0, max(largest, 1), piece):
+            step = steps.next()
+            steps.free(step, deadline)
+            slot = steps.slot(step)
+            for peer in steps.others:
+                part = inputs[peer][start : start + piece]
+                slot[peer * piece : peer * piece + part.size] = part
+            steps.post(step)
+            offset = me * piece
+            for peer in steps.others:
+                length = min(int(sends[peer, me]) - start, piece)
+                if length > 0:
+                    steps.collect(peer, step, deadline)
+                    block = steps.peer_slot(peer, step)[offset : offset + length]
+                    outputs[peer][start : start + length] = block
+            steps.done(step)
+
+
+class SizeMismatchError(ValueError, RuntimeError):
+    """Every rank found that the ranks' sizes disagree; no data moved."""
+
+
+class Solo:
+    """The same ops for a node where this rank is alone: local copies, no arena."""
+
+    size = 1
+    rank = 0
+
+    def barrier(self, deadline: float) -> None:
+        """Return at once."""
+
+    def broadcast(self, data: np.ndarray, root: int, dtype: str, deadline: float) -> None:
+        """Leave ``data`` as it is: this rank is the root."""
+
+    def reduce(
+        self, data: np.ndarray, root: int, reducer: Reducer, dtype: str, deadline: float
+    ) -> None:
+        """Finish the reduction of ``data`` alone (AVG divides by the world size)."""
+        reducer.finish(data)
+
+    def allreduce(self, data: np.ndarray, reducer: Reducer, dtype: str, deadline: float) -> None:
+        """Finish the reduction of ``data`` alone (AVG divides by the world size)."""
+        reducer.finish(data)
+
+    def allgather(
+        self, piece: np.ndarray, outputs: list[np.ndarray], dtype: str, deadline: float
+    ) -> None:
+        """Copy ``piece`` into ``outputs[0]``."""
+        outputs[0][:] = piece
+
+    def gather(
+        self, piece: np.ndarray, outputs: list[np.ndarray], root: int, dtype: str, deadline: float
+    ) -> None:
+        """Copy ``piece`` into ``outputs[0]``."""
+        outputs[0][:] = piece
+
+    def scatter(
+        self, inputs: list[np.ndarray], output: np.ndarray, root: int, dtype: str, deadline: float
+    ) -> None:
+        """Copy ``inputs[0]`` into ``output``."""
+        output[:] = inputs[0]
+
+    def reducescatter(
+        self,
+        inputs: list[np.ndarray],
+        output: np.ndarray,
+        reducer: Reducer,
+        dtype: str,
+        deadline: float,
+    ) -> None:
+        """Copy ``inputs[0]`` into ``output`` and finish the reduction there."""
+        output[:] = inputs[0]
+        reducer.finish(output)
+
+    def alltoall(
+        self, inputs: list[np.ndarray], outputs: list[np.ndarray], dtype: str, deadline: float
+    ) -> None:
+        """Copy ``inputs[0]`` into ``outputs[0]``, checking that their sizes pair up."""
+        if inputs[0].size != outputs[0].size:
+            raise SizeMismatchError(
+                f"alltoall sizes do not pair up: rank 0 expects {outputs[0].size} bytes "
+                f"from rank 0, which sends {inputs[0].size}"
+            )
+        outputs[0][:] = inputs[0]

@@ -1,0 +1,201 @@
+"""The step protocol of the collective slots: who may write a slot, and when it may be read.
+
+Every collective among the local ranks is a sequence of steps, numbered across
+ops, that every local rank takes part in. In step ``s`` a rank may write its
+slot ``s % nbuf``, then posts ``s + 1``; a reader waits for the writer's post,
+checks the slot's header, reads, and every rank finally marks ``s + 1``
+consumed. A rank may write slot ``s % nbuf`` once every other rank has consumed
+step ``s - nbuf``, so a writer runs at most ``nbuf - 1`` steps ahead of its
+slowest reader, and the slots pipeline a long message.
+
+Each slot's header names the op it belongs to and its signature (kind, dtype,
+reduction, root, bytes). A reader that finds another op there knows the ranks
+called different ops or passed different arguments, and says so instead of
+reading wrong data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from collective.groups.shm.arena import (
+    CONSUMED,
+    HDR_BYTES,
+    HDR_OP,
+    HDR_SIG,
+    OP_SEQ,
+    POSTED,
+    Arena,
+)
+from collective.groups.shm.sync import Counter, Waiter
+from collective.tensor import DTYPES
+
+KINDS = (
+    "barrier",
+    "broadcast",
+    "reduce",
+    "allreduce",
+    "allgather",
+    "reducescatter",
+    "gather",
+    "scatter",
+    "alltoall",
+)
+_DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPES))}
+
+
+def dtype_code(dtype: str) -> int:
+    """Return the small number that stands for ``dtype`` in slot and mailbox headers."""
+    return _DTYPE_CODES[dtype]
+
+
+class MismatchError(Exception):
+    """A peer's slot holds another op than this rank's: the ranks diverged."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What an op's slots must carry on every rank: its kind, dtype, reduction, root, bytes."""
+
+    kind: str
+    dtype: str = ""
+    reduce_op: int = -1
+    root: int = -1
+    nbytes: int = 0
+
+    def word(self) -> int:
+        """Return the signature packed into one int64 (the byte count aside)."""
+        kind = KINDS.index(self.kind) + 1
+        dtype = _DTYPE_CODES.get(self.dtype, 0)
+        return kind | dtype << 8 | (self.reduce_op + 1) << 16 | (self.root + 1) << 24
+
+    def describe(self) -> str:
+        """Return a short human-readable form, e.g. ``allreduce of 64 float32 bytes``."""
+        parts = [self.kind]
+        if self.nbytes:
+            parts.append(f"of {self.nbytes} {self.dtype} bytes".replace("  ", " "))
+        if self.root >= 0:
+            parts.append(f"from root {self.root}")
+        return " ".join(parts)
+
+
+def counters(arena: Arena, kind: int) -> list[Counter]:
+    """Return the ``kind`` counter (POSTED or CONSUMED) of every local rank of ``arena``."""
+    result = []
+    for rank in range(arena.layout.local_size):
+        flags = arena.flags(rank, kind)
+        result.append(
+            Counter(
+                arena.control[rank],
+                kind,
+                arena.control_address(rank, kind),
+                flags,
+                flags.view(np.int64),
+                rank,
+            )
+        )
+    return result
+
+
+class Steps:
+    """One local rank's side of the step protocol on one arena."""
+
+    def __init__(self, arena: Arena, local_rank: int, waiter: Waiter) -> None:
+        """Take part as ``local_rank`` in the steps of ``arena``."""
+        layout = arena.layout
+        self.size = layout.local_size
+        self.rank = local_rank
+        self.slot_bytes = layout.slot_bytes
+        self.nbuf = layout.nbuf
+        self.waiter = waiter
+        self.slots = [[arena.slot(r, b) for b in range(layout.nbuf)] for r in range(self.size)]
+        self._headers = arena.slot_headers
+        self.posted = counters(arena, POSTED)
+        self.consumed = counters(arena, CONSUMED)
+        self._control = arena.control[local_rank]
+        self._others = [r for r in range(self.size) if r != local_rank]
+        self.step = 0
+        self.op = 0
+        self._sig = 0
+        self._nbytes = 0
+        self._describe = Signature("barrier")
+
+    @property
+    def others(self) -> list[int]:
+        """Return the other local ranks."""
+        return self._others
+
+    def begin(self, signature: Signature) -> None:
+        """Start an op: count it, and announce it in this rank's control block."""
+        self.op += 1
+        self._control[OP_SEQ] = self.op
+        self._sig = signature.word()
+        self._nbytes = signature.nbytes
+        self._describe = signature
+
+    def slot(self, step: int) -> np.ndarray:
+        """Return this rank's slot for ``step``."""
+        return self.slots[self.rank][step % self.nbuf]
+
+    def peer_slot(self, rank: int, step: int) -> np.ndarray:
+        """Return ``rank``'s slot for ``step``."""
+        return self.slots[rank][step % self.nbuf]
+
+    def free(self, step: int, deadline: float) -> None:
+        """Wait until every other rank has consumed what this rank wrote ``nbuf`` steps ago."""
+        target = step - self.nbuf + 1
+        if target <= 0:
+            return
+        wait, consumed = self.waiter.wait, self.consumed
+        for rank in self._others:
+            wait(consumed[rank], target, deadline)
+
+    def post(self, step: int) -> None:
+        """Announce that this rank's slot for ``step`` holds its data."""
+        header = self._headers[self.rank, step % self.nbuf]
+        header[HDR_OP] = self.op
+        header[HDR_SIG] = self._sig
+        header[HDR_BYTES] = self._nbytes
+        self.waiter.advance(self.posted[self.rank], step + 1)
+
+    def collect(self, rank: int, step: int, deadline: float) -> None:
+        """Wait until ``rank`` has posted ``step``, and check that it is the same op.
+
+        Raises:
+            MismatchError: ``rank`` is in another op, or one with other arguments.
+
+        """
+        self.waiter.wait(self.posted[rank], step + 1, deadline)
+        header = self._headers[rank, step % self.nbuf]
+        if header[HDR_OP] != self.op or header[HDR_SIG] != self._sig:
+            raise MismatchError(
+                f"local rank {rank} posted op #{int(header[HDR_OP])} with another signature "
+                f"where this rank runs op #{self.op}, {self._describe.describe()}: the ranks "
+                "called different ops, or passed different roots, dtypes or reductions"
+            )
+        if header[HDR_BYTES] != self._nbytes:
+            raise MismatchError(
+                f"local rank {rank} passed {int(header[HDR_BYTES])} bytes where this rank "
+                f"passed {self._nbytes} to op #{self.op}, {self._describe.describe()}"
+            )
+
+    def collect_all(self, step: int, deadline: float) -> None:
+        """Collect ``step`` from every other rank."""
+        for rank in self._others:
+            self.collect(rank, step, deadline)
+
+    def done(self, step: int) -> None:
+        """Mark ``step`` consumed by this rank; its writers may reuse their slots."""
+        self.waiter.advance(self.consumed[self.rank], step + 1)
+
+    def next(self) -> int:
+        """Return the next step's number and count it taken."""
+        step = self.step
+        self.step += 1
+        return step
+
+    def all_counters(self) -> list[Counter]:
+        """Return every counter of the arena's slots, to wake their sleepers."""
+        return self.posted + self.consumed
