@@ -1,7 +1,13 @@
-"""GlooGroup without Ray: every rank is a thread of this process, meeting on a TCPStore."""
+"""CPU groups without Ray: every rank is a thread of this process, meeting on a TCPStore.
+
+Every test runs on both CPU transports: ``tcp`` (``GlooGroup``, Gloo over TCP) and
+``shm`` (``CpuGroup``, whose ranks here share one node, so it uses the shared-memory
+arena; with 256-byte slots, so that most messages take several pipelined steps).
+"""
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -16,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from collective.groups.base import BaseGroup
+from collective.groups.cpu import CpuGroup
 from collective.groups.gloo import GlooGroup
 from collective.store import TCPRendezvousStore
 from collective.types import (
@@ -43,6 +51,27 @@ DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
 SHAPE = (4, 4)
 CLASSIC_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
 """The reductions every dtype takes; AVG and the bitwise ops have tests of their own."""
+
+
+TRANSPORTS: dict[str, Callable[..., BaseGroup]] = {
+    "tcp": GlooGroup,
+    "shm": functools.partial(CpuGroup, slot_bytes=256),
+}
+"""How each transport's group is built: ``cls(world_size, rank, name, store, timeout)``."""
+
+_current = {"transport": "tcp"}
+
+
+@pytest.fixture(params=list(TRANSPORTS), autouse=True)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Run the test on each CPU transport; ``build_group`` builds groups of it."""
+    _current["transport"] = request.param
+    return request.param
+
+
+def build_group(*args: Any, **kwargs: Any) -> Any:
+    """Build a group of the current test's transport."""
+    return TRANSPORTS[_current["transport"]](*args, **kwargs)
 
 
 # --- running ranks as threads ---------------------------------------------------------------
@@ -110,7 +139,7 @@ def run_ranks(
     def target(rank: int) -> Callable[[], Any]:
         def run() -> Any:
             store = master if rank == 0 else _client_store(master, group_timeout)
-            group = GlooGroup(
+            group = build_group(
                 world_size, rank, name, TCPRendezvousStore(store), group_timeout, host="127.0.0.1"
             )
             groups.append(group)
@@ -644,7 +673,7 @@ def test_init_times_out_when_a_rank_never_arrives(present: int) -> None:
         store = master if present == 0 else _client_store(master, timedelta(seconds=10))
         start = time.monotonic()
         try:
-            group = GlooGroup(2, present, name, TCPRendezvousStore(store), timedelta(seconds=2))
+            group = build_group(2, present, name, TCPRendezvousStore(store), timedelta(seconds=2))
         except CollectiveError as exc:
             return exc, time.monotonic() - start
         group.destroy_group()

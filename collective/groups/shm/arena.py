@@ -96,7 +96,8 @@ class Layout:
                 divides the budget (between 64 KiB and 1 MiB per slot).
 
         Raises:
-            ValueError: ``slot_bytes`` (or the variable) is not a positive multiple of 64.
+            ValueError: ``slot_bytes`` (or the variable) is no multiple of 64, or
+                leaves less than 64 bytes per local rank.
 
         """
         if slot_bytes is None and os.environ.get(SLOT_BYTES_ENV):
@@ -104,8 +105,11 @@ class Layout:
         if slot_bytes is None:
             slot_bytes = _clamp(SLOTS_BUDGET // (2 * local_size), 64 << 10, 1 << 20)
             slot_bytes = slot_bytes // PAGE * PAGE
-        if slot_bytes <= 0 or slot_bytes % 64:
-            raise ValueError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
+        if slot_bytes % 64 or slot_bytes < 64 * local_size:
+            raise ValueError(
+                f"slot_bytes must be a multiple of 64 of at least 64 per local rank "
+                f"({64 * local_size}), got {slot_bytes}"
+            )
         pairs = local_size * local_size
         mail = _clamp(MAIL_BUDGET // (2 * pairs), 16 << 10, 256 << 10) // PAGE * PAGE
         return cls(local_size, slot_bytes, 2, min(mail, _align(slot_bytes, PAGE)), 2)
