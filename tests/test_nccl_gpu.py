@@ -35,7 +35,7 @@ if GPUS < 1:
     pytest.skip("no CUDA GPU is visible to cupy", allow_module_level=True)
 
 from collective.groups.nccl import NCCLGroup  # noqa: E402
-from collective.rendezvous import TCPRendezvousStore  # noqa: E402
+from collective.store import TCPRendezvousStore  # noqa: E402
 from collective.types import (  # noqa: E402
     AllGatherOptions,
     AllReduceOptions,
@@ -130,7 +130,7 @@ def host(x: Any) -> np.ndarray:
 
 def reduced(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     stack = np.stack(inputs)
-    functions = {
+    functions: dict[ReduceOp, Callable[..., np.ndarray]] = {
         ReduceOp.SUM: np.sum,
         ReduceOp.PRODUCT: np.prod,
         ReduceOp.MIN: np.min,
@@ -142,7 +142,7 @@ def reduced(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
 
 def cases(with_ops: bool) -> list[Any]:
     """Return (kind, dtype[, op]) cases; cupy has no bfloat16, AVG takes floats only."""
-    out = []
+    out: list[tuple[Any, ...]] = []
     for kind in KINDS:
         for dtype in DTYPES:
             if kind == "cupy" and dtype == "bfloat16":
