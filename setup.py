@@ -21,6 +21,7 @@ setup(
             "pytest-timeout>=2.3",
             "psutil>=5.9",
             "ruff>=0.6",
+            "mypy>=1.11",
             "sphinx>=7.2",
             "myst-parser>=2.0",
             "matplotlib>=3.7",

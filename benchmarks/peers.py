@@ -7,6 +7,7 @@ the count of wrong output elements, and ``stop()``.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import uuid
 from datetime import timedelta
@@ -22,16 +23,12 @@ RAY_TIMEOUT_S = 600
 """Bound on every wait for the ranks of one run."""
 
 
-@ray.remote(num_cpus=0)
-class CollectiveRank:
+class _CollectiveRank:
     """One rank of ``collective`` or of ``ray.util.collective``, in its own Ray actor."""
 
     def __init__(self, library: str) -> None:
-        if library == "collective":
-            import collective as lib
-        else:
-            import ray.util.collective as lib
-        self._lib, self._library = lib, library
+        name = "collective" if library == "collective" else "ray.util.collective"
+        self._lib, self._library = importlib.import_module(name), library
 
     def setup(self, world_size: int, rank: int, group: str) -> int:
         self._n, self._rank, self._group = world_size, rank, group
@@ -62,8 +59,7 @@ class CollectiveRank:
         self._lib.destroy_collective_group(self._group)
 
 
-@ray.remote(num_cpus=0)
-class StoreRank:
+class _StoreRank:
     """One rank of the object-store baseline: ray.put its array, ray.get everyone's."""
 
     def setup(self, world_size: int, rank: int, op: str, size: int) -> None:
@@ -82,6 +78,10 @@ class StoreRank:
         else:
             out = np.concatenate(arrays)
         return workloads.wrong(self._op, out, self._size, self._n) if check else 0
+
+
+CollectiveRank: Any = ray.remote(num_cpus=0)(_CollectiveRank)  # Any: Ray's handles are untyped
+StoreRank: Any = ray.remote(num_cpus=0)(_StoreRank)
 
 
 class RayActors:

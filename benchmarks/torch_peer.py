@@ -14,10 +14,11 @@ def serve(pipe: Any, world_size: int, rank: int, port: int) -> None:
     from benchmarks import workloads
 
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=120))
-    options = dist.ProcessGroupGloo._Options()
+    gloo: Any = dist.ProcessGroupGloo  # torch's stubs lack its _Options and its ops
+    options = gloo._Options()
     options._timeout = timedelta(seconds=300)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("bench/", store), rank, world_size, options)
+    options._devices = [gloo.create_device(hostname="127.0.0.1")]
+    pg = gloo(dist.PrefixStore("bench/", store), rank, world_size, options)
     pipe.send("ready")
 
     def call(op: str, x: Any, out: Any) -> Any:

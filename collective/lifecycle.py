@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks, registry, rendezvous
-from collective.groups.base import BaseGroup
+from collective.groups.base import BaseGroup, constructor
 from collective.incarnation import IncarnationStore
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
@@ -75,7 +75,8 @@ def _join_and_build(
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
     try:
         scoped = IncarnationStore(store, incarnation)
-        group = cls(world_size, rank, group_name, scoped, timeout, node_ip(), options=options)
+        build = constructor(cls)
+        group = build(world_size, rank, group_name, scoped, timeout, node_ip(), options=options)
     except CollectiveTimeoutError as exc:
         detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
         rendezvous.leave_store(store, rank)

@@ -46,7 +46,7 @@ class GroupManager:
         with self._lock:
             return sorted(self._groups)
 
-    def create(self, name: str, build: Builder) -> BaseGroup:
+    def create(self, name: str, build: Callable[[], tuple[BaseGroup, Any]]) -> BaseGroup:
         """Build and register a new group called ``name``.
 
         Raises:
@@ -59,7 +59,7 @@ class GroupManager:
         try:
             if self.get(name) is not None:
                 raise CollectiveError(f"group {name!r} is already initialized in this process")
-            return self._build(name, build)
+            return self._register(name, build())
         finally:
             lock.release()
 
@@ -73,8 +73,9 @@ class GroupManager:
 
     def _build(self, name: str, build: Builder) -> BaseGroup | None:
         built = build()
-        if built is None:
-            return None
+        return None if built is None else self._register(name, built)
+
+    def _register(self, name: str, built: tuple[BaseGroup, Any]) -> BaseGroup:
         with self._lock:
             self._groups[name] = built
         return built[0]

@@ -35,7 +35,7 @@ def _gpu_group(group_name: str, function: str) -> BaseGroup:
 def allreduce_multigpu(
     tensor_list: list[Any],
     group_name: str = "default",
-    op: ReduceOp = ReduceOp.SUM,
+    op: ReduceOp | str = ReduceOp.SUM,
     *,
     timeout: timedelta | None = None,
 ) -> None:
@@ -50,7 +50,7 @@ def reduce_multigpu(
     dst_rank: int = 0,
     dst_tensor: int = 0,
     group_name: str = "default",
-    op: ReduceOp = ReduceOp.SUM,
+    op: ReduceOp | str = ReduceOp.SUM,
     *,
     timeout: timedelta | None = None,
 ) -> None:
@@ -110,7 +110,7 @@ def reducescatter_multigpu(
     output_tensor_list: list[Any],
     input_tensor_lists: list[list[Any]],
     group_name: str = "default",
-    op: ReduceOp = ReduceOp.SUM,
+    op: ReduceOp | str = ReduceOp.SUM,
     *,
     timeout: timedelta | None = None,
 ) -> None:

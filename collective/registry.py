@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from collective.groups.base import BaseGroup
+from collective.groups.base import BaseGroup, GroupConstructor
 from collective.groups.cpu import CpuGroup
+from collective.groups.gloo import GlooGroup
 from collective.groups.nccl import NCCLGroup
 from collective.types import Backend, CollectiveError
 
@@ -25,6 +26,8 @@ _classes: dict[str, type[BaseGroup]] = {
     Backend.NCCL.value: NCCLGroup,
 }
 _BUILT_IN = frozenset(_classes)
+_BUILT_IN_CONSTRUCTORS: tuple[GroupConstructor, ...] = (CpuGroup, GlooGroup, NCCLGroup)
+"""The built-in classes typed as constructors, so that mypy checks they keep the contract."""
 
 
 def backend_name(backend: Any) -> str:

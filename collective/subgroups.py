@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks, lifecycle
-from collective.groups.base import BaseGroup
+from collective.groups.base import BaseGroup, constructor
 from collective.store import PrefixedRendezvousStore
 
 _RANKS_KEY = "ranks"
@@ -90,7 +90,7 @@ def new_group(
     rank = ranks.index(parent_group.rank)
     store = PrefixedRendezvousStore(parent_store, f"subgroup/{call}/{name}/")
     _check_same_ranks(store, rank, ranks, group_timeout)
-    cls = type(parent_group)
+    cls = constructor(type(parent_group))
     lifecycle.create_group(
         name,
         lambda: (

@@ -360,8 +360,8 @@ def synchronize_device(gpu_id: int) -> None:
         return
     try:
         import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
+    except ImportError as exc:
+        raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"') from exc
+    if not torch.cuda.is_available():
         raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"')
     torch.cuda.synchronize(gpu_id)

@@ -162,13 +162,15 @@ def test_dtypes_table_matches_what_the_checks_accept() -> None:
         for title, ok in expected.items():
             cell = row[columns[title]]
             assert cell == (support_matrix.YES if ok else support_matrix.NO), (dtype, title)
-    assert accepted(gloo.check_tensor, cpu, "x")
-    assert not accepted(gloo.check_tensor, cuda, "x")
+    on_cuda = tensor.TensorSpec("torch", (1,), "float32", "cuda:0")
+    assert accepted(gloo.check_tensor, tensor.spec(torch.zeros(1), "x"), "x")
+    assert not accepted(gloo.check_tensor, on_cuda, "x")
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_reduce_ops_table_matches_the_reduction_checks(backend: str) -> None:
-    cls = {"gloo": GlooGroup, "nccl": NCCLGroup}[backend]
+    classes: dict[str, type[GlooGroup] | type[NCCLGroup]] = {"gloo": GlooGroup, "nccl": NCCLGroup}
+    cls = classes[backend]
     group = bare(cls)
     header, rows = support_matrix.reduce_ops_table(backend)
     assert header[1:] == sorted(cls.dtypes)

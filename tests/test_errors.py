@@ -316,14 +316,18 @@ OP_ERRORS: dict[str, tuple[Callable[[str], Any], type[BaseException], str]] = {
         ValueError,
         "op",
     ),
-    "allreduce_op_int": (lambda g: col.allreduce(np.ones(3), g, op=0), TypeError, "op"),
+    "allreduce_op_int": (
+        lambda g: col.allreduce(np.ones(3), g, op=0),  # type: ignore[arg-type]
+        TypeError,
+        "op",
+    ),
     "reduce_op_unknown_string": (
         lambda g: col.reduce(np.ones(3), 0, g, op="mean"),
         ValueError,
         "op",
     ),
     "reducescatter_op_int": (
-        lambda g: col.reducescatter(np.ones(3), [np.ones(3), np.ones(3)], g, op=3),
+        lambda g: col.reducescatter(np.ones(3), [np.ones(3), np.ones(3)], g, op=3),  # type: ignore[arg-type]
         TypeError,
         "op",
     ),
@@ -338,13 +342,17 @@ OP_ERRORS: dict[str, tuple[Callable[[str], Any], type[BaseException], str]] = {
         "timeout",
     ),
     "allreduce_timeout_number": (
-        lambda g: col.allreduce(np.ones(3), g, timeout=5),
+        lambda g: col.allreduce(np.ones(3), g, timeout=5),  # type: ignore[arg-type]
         TypeError,
         "timeout",
     ),
-    "barrier_timeout_number": (lambda g: col.barrier(g, timeout=5.0), TypeError, "timeout"),
+    "barrier_timeout_number": (
+        lambda g: col.barrier(g, timeout=5.0),  # type: ignore[arg-type]
+        TypeError,
+        "timeout",
+    ),
     "allreduce_async_op_not_bool": (
-        lambda g: col.allreduce(np.ones(3), g, async_op=1),
+        lambda g: col.allreduce(np.ones(3), g, async_op=1),  # type: ignore[arg-type]
         TypeError,
         "async_op",
     ),

@@ -34,7 +34,10 @@ def _new_reference(op: col.ReduceOp, dtype: str, inputs: list[np.ndarray]) -> np
     if op is col.ReduceOp.AVG:
         return stack.astype(np.float64).mean(0)
     if dtype == "bool":
-        ufunc = {col.ReduceOp.BAND: np.logical_and, col.ReduceOp.BOR: np.logical_or}
+        ufunc: dict[col.ReduceOp, np.ufunc] = {
+            col.ReduceOp.BAND: np.logical_and,
+            col.ReduceOp.BOR: np.logical_or,
+        }
         return ufunc.get(op, np.logical_xor).reduce(stack, axis=0)
     ufunc = {col.ReduceOp.BAND: np.bitwise_and, col.ReduceOp.BOR: np.bitwise_or}
     return ufunc.get(op, np.bitwise_xor).reduce(stack, axis=0)
@@ -96,6 +99,7 @@ def _exchange_in_actor(rank: int, n: int, name: str) -> dict[Any, Any]:
                 res["allreduce", kind, dtype, op.name] = _export(x)
             x = make(_values(dtype, rank))
             work = col.allreduce(x, name, async_op=True)
+            assert work is not None
             work.wait()
             res["async", kind, dtype] = (_export(x), work.is_completed(), work.exception())
         rows = [rank + j + 1 for j in range(n)]
@@ -168,8 +172,8 @@ def test_alltoall_list_and_single(matrix: tuple[int, list[dict]]) -> None:
                 res["alltoall_single", kind, dtype][0], np.concatenate(expected), f"{where} single"
             )
     for rank, res in enumerate(results):
-        expected = np.concatenate([np.full(q + rank + 1, 10 * q + rank) for q in range(n)])
-        np.testing.assert_array_equal(res["alltoall_uneven"], expected, f"uneven rank {rank}")
+        uneven = np.concatenate([np.full(q + rank + 1, 10 * q + rank) for q in range(n)])
+        np.testing.assert_array_equal(res["alltoall_uneven"], uneven, f"uneven rank {rank}")
 
 
 def test_flat_allgather_and_reducescatter(matrix: tuple[int, list[dict]]) -> None:

@@ -56,9 +56,13 @@ def new_reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     if op is ReduceOp.AVG:
         return stack.astype(np.float64).mean(axis=0)
     if stack.dtype == np.bool_:
-        ufunc = {ReduceOp.BAND: np.logical_and, ReduceOp.BOR: np.logical_or}.get(op, np.logical_xor)
-        return ufunc.reduce(stack, axis=0)
-    ufunc = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or}.get(op, np.bitwise_xor)
+        logical: dict[ReduceOp, np.ufunc] = {
+            ReduceOp.BAND: np.logical_and,
+            ReduceOp.BOR: np.logical_or,
+        }
+        return logical.get(op, np.logical_xor).reduce(stack, axis=0)
+    bitwise: dict[ReduceOp, np.ufunc] = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or}
+    ufunc = bitwise.get(op, np.bitwise_xor)
     return ufunc.reduce(stack.astype(np.int64), axis=0)
 
 

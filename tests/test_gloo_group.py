@@ -194,7 +194,11 @@ def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
             return np.logical_or.reduce(stack, axis=0)
         return np.logical_and.reduce(stack, axis=0)
     stack = stack.astype(np.int64)
-    reduce = {ReduceOp.SUM: np.sum, ReduceOp.PRODUCT: np.prod, ReduceOp.MIN: np.min}
+    reduce: dict[ReduceOp, Callable[..., np.ndarray]] = {
+        ReduceOp.SUM: np.sum,
+        ReduceOp.PRODUCT: np.prod,
+        ReduceOp.MIN: np.min,
+    }
     return reduce.get(op, np.max)(stack, axis=0)
 
 

@@ -39,6 +39,7 @@ def _subgroups(rank: int, parent: str) -> dict[str, Any]:
     even = col.new_group([0, 2], group_name=f"{parent}-even", parent=parent)
     res["names"] = (odd, even)
     mine = odd or even
+    assert mine is not None
     res["identity"] = (col.get_rank(mine), col.get_collective_group_size(mine))
     x = np.full(3, 10.0**rank)
     col.allreduce(x, mine)
@@ -112,6 +113,7 @@ def test_new_group_rejects_ranks_on_every_member(members: list, ranks: Any) -> N
 def _overlap(rank: int, first: str, second: str) -> dict[str, Any]:
     big = torch.full((1 << 20,), float(rank + 1))
     work = col.allreduce(big, first, async_op=True)
+    assert work is not None
     small = np.array([rank + 1.0])
     assert col.allreduce(small, second) is None
     done_before_wait = work.is_completed()
@@ -161,6 +163,7 @@ def _use_registered(name: str) -> tuple[str, str, list[float], int]:
     col.allreduce(x, name)
     col.allreduce(x, name)
     group = col.get_group_handle(name)
+    assert isinstance(group, CountingGloo), type(group)
     return type(group).__name__, group.backend_name(), x.tolist(), group.allreduces
 
 
@@ -183,7 +186,7 @@ def test_backend_registered_on_the_driver_reaches_the_actors(members: list) -> N
         run_all(pair, _destroy, [initialized] * 2, [declared] * 2)
 
 
-REGISTER_ERRORS = {
+REGISTER_ERRORS: dict[str, tuple[Any, Any, type[Exception], str]] = {
     "builtin": ("gloo", CountingGloo, ValueError, "name"),
     "empty": ("", CountingGloo, ValueError, "name"),
     "not_a_group": ("x", dict, TypeError, "group_cls"),

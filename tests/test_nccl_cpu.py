@@ -63,7 +63,7 @@ class FakeCupyArray:
 
     def __init__(self, array: np.ndarray, device: int = 0) -> None:
         self._array = array
-        self.dtype = array.dtype
+        self.dtype: Any = array.dtype
         self.shape = array.shape
         self.device = SimpleNamespace(id=device)
 
@@ -134,7 +134,7 @@ def test_cuda_buffer_rejects_a_cpu_tensor(make: Any) -> None:
 
 def _bare_group(cls: type) -> Any:
     """Return an instance of ``cls`` without connecting it, to test its checks alone."""
-    return cls.__new__(cls)
+    return object.__new__(cls)
 
 
 def test_nccl_group_rejects_a_cpu_tensor_with_type_error() -> None:

@@ -8,6 +8,7 @@ result is checked on the driver against a numpy reference.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -71,14 +72,15 @@ def _reference(op: col.ReduceOp, dtype: str, inputs: list[np.ndarray]) -> np.nda
     """Reduce ``inputs`` with numpy; bool SUM/MAX is logical or, PRODUCT/MIN logical and."""
     stack = np.stack(inputs)
     if dtype == "bool":
-        return stack.any(0) if op in (col.ReduceOp.SUM, col.ReduceOp.MAX) else stack.all(0)
-    reducer = {
+        either = op in (col.ReduceOp.SUM, col.ReduceOp.MAX)
+        return np.asarray(stack.any(0) if either else stack.all(0))
+    reducers: dict[col.ReduceOp, Callable[..., np.ndarray]] = {
         col.ReduceOp.SUM: np.sum,
         col.ReduceOp.PRODUCT: np.prod,
         col.ReduceOp.MIN: np.min,
         col.ReduceOp.MAX: np.max,
-    }[op]
-    return reducer(stack, axis=0)
+    }
+    return reducers[op](stack, axis=0)
 
 
 def _expect(kind: str, dtype: str, values: Any) -> np.ndarray:
@@ -323,14 +325,14 @@ def test_3d_shapes(matrix: tuple[int, list[dict]]) -> None:
                 f"reducescatter {where}",
             )
     for rank, res in enumerate(results):
-        total = sum(_base_3d(q) for q in range(n))
+        summed = np.sum([_base_3d(q) for q in range(n)], axis=0)
         _assert_same(
             res["3d_noncontiguous", "torch"][0],
-            total.astype(np.float32),
+            summed.astype(np.float32),
             f"transposed torch rank {rank}",
         )
         _assert_same(
-            res["3d_noncontiguous", "numpy"][0], total.astype(np.int32), f"strided rank {rank}"
+            res["3d_noncontiguous", "numpy"][0], summed.astype(np.int32), f"strided rank {rank}"
         )
         assert (res["3d_noncontiguous_gaps"] == -1).all(), "allreduce wrote between the strides"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from datetime import timedelta
@@ -26,7 +27,7 @@ def _build(master: Any, world_size: int, name: str, incarnation: str = "") -> li
         store = IncarnationStore(raw, incarnation) if incarnation else raw
         return GlooGroup(world_size, r, name, store, GROUP_TIMEOUT, host="127.0.0.1")
 
-    return _run_threads([lambda r=r: rank(r) for r in range(world_size)], JOIN_S)
+    return _run_threads([functools.partial(rank, r) for r in range(world_size)], JOIN_S)
 
 
 def test_one_ranks_timeout_wakes_a_rank_waiting_on_a_live_peer() -> None:
@@ -94,7 +95,7 @@ def test_two_incarnations_of_one_name_share_a_store_without_mixing() -> None:
                 groups[r].allreduce([x], AllReduceOptions())
                 return x.tolist()
 
-            return _run_threads([lambda r=r: rank(r) for r in range(2)], JOIN_S)
+            return _run_threads([functools.partial(rank, r) for r in range(2)], JOIN_S)
 
         assert reduce(new, 10.0) == [[21.0] * 4] * 2
         assert reduce(old, 1.0) == [[3.0] * 4] * 2

@@ -5,8 +5,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, cast
 
+from collective.store import RendezvousStore
 from collective.tensor import TensorSpec
 from collective.types import (
     DEFAULT_TIMEOUT,
@@ -255,3 +256,32 @@ class BaseGroup(ABC):
     @abstractmethod
     def destroy_group(self) -> None:
         """Release the group's connections and threads; the group is unusable after."""
+
+
+class GroupConstructor(Protocol):
+    """The constructor every backend class has, as ``BaseGroup`` describes it."""
+
+    def __call__(
+        self,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        store: RendezvousStore,
+        timeout: timedelta,
+        host: str,
+        *,
+        options: GroupOptions | None = None,
+    ) -> BaseGroup:
+        """Connect this rank to the others through ``store``; block until all have arrived."""
+        ...
+
+
+def constructor(cls: type[BaseGroup]) -> GroupConstructor:
+    """Return backend class ``cls`` typed as the constructor every backend has.
+
+    ``BaseGroup.__init__`` takes neither store nor host: each backend connects its
+    ranks in an ``__init__`` of its own, of the signature of ``GroupConstructor``.
+    The registry checks that the built-in backends keep it; a registered class is
+    trusted to.
+    """
+    return cast(GroupConstructor, cls)

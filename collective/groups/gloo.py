@@ -80,12 +80,12 @@ class GlooGroup(BaseGroup):
         try:
             self._tcp_store = connect_tcp_store(store, rank, host, timeout)
             meet(store, "gloo", rank, world_size, timeout)
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            pg_options = dist.ProcessGroupGloo._Options()
+            pg_options._timeout = timeout
+            pg_options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             prefix = "/".join(p for p in (group_name, store.incarnation) if p)
             prefixed = dist.PrefixStore(f"{prefix}/", self._tcp_store)
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, pg_options)
             self._watch = FailureWatch(store, rank, world_size, group_name)
         except TimeoutError as exc:
             self.destroy_group()
@@ -95,7 +95,7 @@ class GlooGroup(BaseGroup):
             raise self._failure("init", timeout, exc) from exc
 
     @classmethod
-    def backend(cls) -> Backend:
+    def backend(cls) -> Backend | str:
         """Return ``Backend.GLOO``."""
         return Backend.GLOO
 

@@ -113,7 +113,7 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         self._destroyed = False
 
     @classmethod
-    def backend(cls) -> Backend:
+    def backend(cls) -> Backend | str:
         """Return ``Backend.NCCL``."""
         return Backend.NCCL
 

@@ -1,0 +1,62 @@
+"""Fixtures of the GPU tests, without Ray: one group per world size, shared by the session.
+
+``solo`` is a world-size-1 NCCLGroup in this process on GPU 0, on a torch TCPStore,
+also registered under its name so that the public functions reach it. ``pair`` is two
+rank processes, rank r on GPU r, each holding its rank of one group; it skips, saying
+why, where fewer than two GPUs are visible. ``tests/gpu/run.sh`` runs these tests with
+``--confcutdir tests/gpu``, so that the Ray fixtures of ``tests/conftest.py`` are not
+loaded where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from tests.gpu import cases
+
+
+@pytest.fixture(scope="session")
+def solo() -> Iterator[Any]:
+    """Yield a world-size-1 NCCLGroup on GPU 0, registered in this process as its name."""
+    reason = cases.no_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    import cupy
+    import torch.distributed as dist
+
+    from collective import lifecycle
+    from collective.groups.nccl import NCCLGroup
+    from collective.store import TCPRendezvousStore
+
+    cupy.cuda.Device(0).use()
+    store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60)))
+    name = f"gpu-solo-{uuid.uuid4().hex[:8]}"
+    group = NCCLGroup(1, 0, name, store, cases.GROUP_TIMEOUT)
+    lifecycle.create_group(name, lambda: (group, store))
+    yield group
+    import collective as col
+
+    col.destroy_collective_group(name)
+
+
+@pytest.fixture(scope="session")
+def pair() -> Iterator[Any]:
+    """Yield a pool of two rank processes, rank r on GPU r, each in one NCCLGroup."""
+    reason = cases.no_gpu_reason()
+    if reason:
+        pytest.skip(reason)
+    if cases.gpu_count() < 2:
+        pytest.skip(
+            f"world size 2 runs one rank per GPU and needs 2 GPUs; {cases.gpu_count()} visible"
+        )
+    from benchmarks.nccl_ranks import RankPool
+
+    with RankPool(2, timeout=timedelta(seconds=120)) as pool:
+        pool.run(cases.open_group, f"gpu-pair-{uuid.uuid4().hex[:8]}")
+        yield pool
+        pool.run(cases.close_group)

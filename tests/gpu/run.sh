@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Run the GPU test suite and the NCCL benchmark on a GPU machine; write a summary under $OUT.
+#
+#   bash tests/gpu/run.sh            # from the repository root; OUT unset -> a new temp dir
+#
+# Needs only python3 with torch, numpy, pytest and pytest-timeout, plus cupy with NCCL
+# for the GPU parts: no Ray, no install (collective is imported from this checkout).
+# Without a GPU every part says why it did not run, and the script still succeeds.
+# Writes to $OUT: summary.md (machine, pytest summary, benchmark tables), env.txt,
+# pytest.log, bench.log, bench.txt, bench.json and profile.txt (where our 8-byte
+# allreduce spends its time). Exits non-zero if a test or the benchmark failed.
+# Time limits (seconds), each overridable: GPU_TESTS_TIMEOUT_S, BENCH_TIMEOUT_S and
+# BENCH_BUDGET_S (the benchmark stops measuring new points after it).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+# cupy loads libnccl.so.2 at import; point the loader at the NCCL of the nvidia-nccl wheel.
+nccl_lib="$("$PYTHON" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)"
+if [ -n "$nccl_lib" ] && [ -d "$nccl_lib" ]; then
+    export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "host: $(uname -a)"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+    else
+        echo "nvidia-smi: not found"
+    fi
+    "$PYTHON" - <<'EOF'
+import importlib, platform
+print(f"python: {platform.python_version()}")
+for name in ("numpy", "torch", "cupy", "pytest", "ray"):
+    try:
+        print(f"{name}: {importlib.import_module(name).__version__}")
+    except Exception as exc:
+        print(f"{name}: not importable ({type(exc).__name__}: {exc})")
+try:
+    import torch
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else "-"
+    print(f"torch cuda: {torch.version.cuda}, gpus: {torch.cuda.device_count()}, nccl: {nccl}")
+except Exception as exc:
+    print(f"torch cuda: {type(exc).__name__}: {exc}")
+from collective.groups.nccl_comm import unavailable_reason
+print(f"collective nccl backend: {unavailable_reason() or 'available'}")
+EOF
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-240}" "$PYTHON" -m pytest -p no:cacheprovider \
+    --confcutdir=tests/gpu -ra --timeout=120 tests/gpu 2>&1 | tee "$OUT/pytest.log"
+tests_rc=${PIPESTATUS[0]}
+
+timeout -k 10 "${BENCH_TIMEOUT_S:-300}" "$PYTHON" -m benchmarks.nccl \
+    --budget-s "${BENCH_BUDGET_S:-200}" --json "$OUT/bench.json" --text "$OUT/bench.txt" \
+    --profile "$OUT/profile.txt" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+{
+    echo "# GPU suite and NCCL benchmark"
+    echo
+    echo '```text'
+    cat "$OUT/env.txt"
+    echo '```'
+    echo
+    echo "## pytest tests/gpu (exit $tests_rc)"
+    echo
+    echo '```text'
+    if grep -q "short test summary info" "$OUT/pytest.log"; then
+        sed -n '/short test summary info/,$p' "$OUT/pytest.log"
+    else
+        tail -n 40 "$OUT/pytest.log"
+    fi
+    echo '```'
+    echo
+    echo "## python -m benchmarks.nccl (exit $bench_rc)"
+    echo
+    echo '```text'
+    if [ -s "$OUT/bench.txt" ]; then cat "$OUT/bench.txt"; else tail -n 40 "$OUT/bench.log"; fi
+    echo '```'
+} >"$OUT/summary.md"
+echo "summary: $OUT/summary.md"
+
+# pytest exits 5 when it collected nothing: not a failure of the suite.
+[ "$tests_rc" -eq 0 ] || [ "$tests_rc" -eq 5 ] || exit "$tests_rc"
+exit "$bench_rc"

@@ -1,0 +1,94 @@
+"""The public functions on a world-size-1 NCCL group, one GPU, without Ray.
+
+``solo`` is registered in this process under its name, so ``collective.allreduce(x,
+name)`` and the ``*_multigpu`` functions reach it through their argument checks, as
+they reach any group inside an actor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import collective as col
+from tests.gpu import cases
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(cases.no_gpu_reason()), reason=cases.no_gpu_reason() or "-"),
+]
+
+
+def _needs(kind: str) -> None:
+    if kind == "torch" and not cases.torch_cuda():
+        pytest.skip("this torch build has no CUDA")
+
+
+@pytest.mark.parametrize("kind", cases.KINDS)
+def test_multigpu_functions_with_one_element_lists(solo: Any, kind: str) -> None:
+    _needs(kind)
+    name = solo.group_name
+
+    def new(offset: int = 0) -> Any:
+        return cases.make(kind, cases.values(0, offset), "float32", 0)
+
+    x = new()
+    col.allreduce_multigpu([x], name)
+    col.reduce_multigpu([x], 0, 0, name, op=col.ReduceOp.MAX)
+    col.broadcast_multigpu([x], 0, 0, name)
+    gathered = [[new(9)]]
+    col.allgather_multigpu(gathered, [new(1)], name)
+    scattered = [new(9)]
+    col.reducescatter_multigpu(scattered, [[new(3)]], name)
+    col.synchronize(0)
+    cases.close(cases.host(x), cases.values(0), "float32", "allreduce, reduce, broadcast")
+    cases.close(cases.host(gathered[0][0]), cases.values(0, 1), "float32", "allgather")
+    cases.close(cases.host(scattered[0]), cases.values(0, 3), "float32", "reducescatter")
+    with pytest.raises(ValueError, match="dst_rank"):
+        col.send_multigpu(x, 0, 0, name)
+    with pytest.raises(ValueError, match="src_rank"):
+        col.recv_multigpu(x, 0, 0, name)
+
+
+@pytest.mark.parametrize("kind", cases.KINDS)
+def test_single_gpu_functions(solo: Any, kind: str) -> None:
+    _needs(kind)
+    name = solo.group_name
+
+    def new(offset: int = 0) -> Any:
+        return cases.make(kind, cases.values(0, offset), "float32", 0)
+
+    x = new()
+    col.allreduce(x, name, op="max")
+    work = col.allreduce(x, name, async_op=True)
+    assert work is not None
+    work.wait(cases.WAIT)
+    col.reduce(x, 0, name)
+    col.broadcast(x, 0, name)
+    parts = [new(9)]
+    col.allgather(parts, new(1), name)
+    flat = new(9)
+    col.allgather(flat, new(2), name)
+    out = new(9)
+    col.reducescatter(out, [new(3)], name)
+    gathered = [new(9)]
+    col.gather(new(4), gathered, 0, name)
+    got = new(9)
+    col.scatter(got, [new(5)], 0, name)
+    received = [new(9)]
+    col.alltoall(received, [new(6)], name)
+    col.barrier(name)
+    for buffer, offset, what in [
+        (x, 0, "allreduce, reduce, broadcast"),
+        (parts[0], 1, "allgather into a list"),
+        (flat, 2, "allgather into one buffer"),
+        (out, 3, "reducescatter"),
+        (gathered[0], 4, "gather"),
+        (got, 5, "scatter"),
+        (received[0], 6, "alltoall"),
+    ]:
+        np.testing.assert_array_equal(cases.host(buffer), cases.values(0, offset), what)
+    with pytest.raises(ValueError, match="dst_rank"):
+        col.send(x, 0, name)

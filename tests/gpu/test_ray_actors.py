@@ -1,0 +1,87 @@
+"""The public API inside Ray actors, one GPU per actor: where Ray and GPUs are both present.
+
+Skipped, saying why, without a GPU or without Ray (the lent GPU machines have no Ray).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.gpu import cases
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(cases.no_gpu_reason()), reason=cases.no_gpu_reason() or "-"),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_ray() -> Iterator[Any]:
+    """Start a Ray cluster that offers this machine's GPUs, and stop it afterwards."""
+    ray = pytest.importorskip("ray")
+    ray.init(
+        address="local",
+        num_cpus=2,
+        num_gpus=cases.gpu_count(),
+        namespace="collective-gpu-tests",
+        include_dashboard=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
+def _public_api_ops(world_size: int, rank: int, name: str) -> list[list[float]]:
+    import cupy
+
+    import collective as col
+
+    col.init_collective_group(world_size, rank, backend="nccl", group_name=name)
+    try:
+        x = cupy.asarray(cases.values(rank).reshape(-1)[:8])
+        col.allreduce(x, name)
+        col.allreduce_multigpu([x], name, op=col.ReduceOp.MAX)
+        col.broadcast_multigpu([x], src_rank=0, src_tensor=0, group_name=name)
+        outs = [[cupy.zeros(8) for _ in range(world_size)]]
+        col.allgather_multigpu(outs, [cupy.full(8, float(rank))], name)
+        got = cupy.zeros(8)
+        col.reducescatter_multigpu(
+            [got], [[cupy.full(8, float(j)) for j in range(world_size)]], name
+        )
+        peer = cupy.zeros(8)
+        if world_size > 1 and rank == 0:
+            col.send_multigpu(cupy.full(8, 7.0), 1, 0, name)
+        elif world_size > 1 and rank == 1:
+            col.recv_multigpu(peer, 0, 0, name)
+        col.barrier(name)
+        col.synchronize(0)
+        rows = [x, *outs[0], got, peer]
+        return [cupy.asnumpy(r).tolist() for r in rows]
+    finally:
+        col.destroy_collective_group(name)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_public_api_in_ray_actors(gpu_ray: Any, world_size: int) -> None:
+    if world_size > cases.gpu_count():
+        pytest.skip(f"{world_size} actors need {world_size} GPUs; {cases.gpu_count()} visible")
+    from tests.conftest import Member, our_named_actors
+
+    actors = [Member.options(num_gpus=1).remote() for _ in range(world_size)]
+    name = f"nccl-ray-{uuid.uuid4().hex[:8]}"
+    refs = [a.run.remote(_public_api_ops, world_size, r, name) for r, a in enumerate(actors)]
+    results = gpu_ray.get(refs, timeout=300)
+    summed = sum(cases.values(r).reshape(-1)[:8] for r in range(world_size))
+    for rank, rows in enumerate(results):
+        np.testing.assert_array_equal(rows[0], summed)
+        for r in range(world_size):
+            assert rows[1 + r] == [float(r)] * 8
+        assert rows[1 + world_size] == [float(rank * world_size)] * 8
+        assert rows[2 + world_size] == ([7.0] * 8 if world_size > 1 and rank == 1 else [0.0] * 8)
+    assert our_named_actors() == []
+    for actor in actors:
+        gpu_ray.kill(actor)
