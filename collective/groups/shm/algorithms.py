@@ -45,6 +45,7 @@ class Collectives:
         steps = self.steps
         steps.begin(Signature("barrier"))
         step = steps.next()
+        steps.free(step, deadline)
         steps.post(step)
         steps.collect_all(step, deadline)
         steps.done(step)

@@ -153,7 +153,11 @@ class Steps:
             wait(consumed[rank], target, deadline)
 
     def post(self, step: int) -> None:
-        """Announce that this rank's slot for ``step`` holds its data."""
+        """Announce that this rank's slot for ``step`` holds its data.
+
+        It writes the slot's header, so ``free`` must have returned for ``step`` first,
+        even when the step carries no data.
+        """
         header = self._headers[self.rank, step % self.nbuf]
         header[HDR_OP] = self.op
         header[HDR_SIG] = self._sig
