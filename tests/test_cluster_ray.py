@@ -67,6 +67,65 @@ def _destroy(name: str) -> bool:
     return col.is_group_initialized(name)
 
 
+def _every_op(rank: int, name: str) -> dict[str, Any]:
+    """Run every op once; the hierarchical ones from every root."""
+    out: dict[str, Any] = {"transport": col.get_group_handle(name).transport}
+    x = np.full(1000, rank + 1.0)
+    col.allreduce(x, name, col.ReduceOp.AVG)
+    out["allreduce"] = x.tolist()[:2]
+    for root in range(4):
+        b = np.full(5, 100.0 + root if rank == root else 0.0)
+        col.broadcast(b, root, name)
+        r = np.full(5, rank + 1, np.int64)
+        col.reduce(r, root, name, col.ReduceOp.PRODUCT)
+        out[f"root{root}"] = (b.tolist()[0], r.tolist()[0])
+    gathered = np.zeros(4 * 3, np.float32)
+    col.allgather(gathered, np.full(3, rank, np.float32), name)
+    out["allgather"] = gathered.tolist()
+    mine = np.zeros(2, np.int32)
+    col.reducescatter(mine, np.arange(8, dtype=np.int32) + rank, name)
+    out["reducescatter"] = mine.tolist()
+    col.barrier(name)
+    pieces = [np.zeros(1) for _ in range(4)] if rank == 1 else None
+    col.gather(np.full(1, float(rank)), pieces, 1, name)
+    out["gather"] = [float(p[0]) for p in pieces] if pieces else None
+    received = [np.zeros(1, np.int64) for _ in range(4)]
+    col.alltoall(received, [np.full(1, 10 * rank + j, np.int64) for j in range(4)], name)
+    out["alltoall"] = [int(r[0]) for r in received]
+    peer = rank ^ 2  # 0<->2 and 1<->3: across the nodes
+    got = np.zeros(2)
+    if rank < peer:
+        col.send(np.full(2, float(rank)), peer, name)
+        col.recv(got, peer, name)
+    else:
+        col.recv(got, peer, name)
+        col.send(np.full(2, float(rank)), peer, name)
+    out["p2p"] = got.tolist()
+    return out
+
+
+def test_every_op_runs_hierarchically_across_two_nodes(cluster: tuple[Cluster, Any]) -> None:
+    actors = _members("node_a", 2) + _members("node_b", 2)
+    name = unique_name("hier")
+    run_all(actors, _init, range(4), [name] * 4)
+    try:
+        results = run_all(actors, _every_op, range(4), [name] * 4)
+    finally:
+        run_all(actors, _destroy, [name] * 4)
+        for actor in actors:
+            ray.kill(actor)
+    for rank, out in enumerate(results):
+        assert out["transport"] == "hierarchical"
+        assert out["allreduce"] == [2.5, 2.5]
+        for root in range(4):
+            assert out[f"root{root}"] == (100.0 + root, 24 if rank == root else rank + 1)
+        assert out["allgather"] == [float(r) for r in range(4) for _ in range(3)]
+        assert out["reducescatter"] == [sum(2 * rank + i + r for r in range(4)) for i in range(2)]
+        assert out["gather"] == ([0.0, 1.0, 2.0, 3.0] if rank == 1 else None)
+        assert out["alltoall"] == [10 * r + rank for r in range(4)]
+        assert out["p2p"] == [float(rank ^ 2)] * 2
+
+
 def test_group_spans_two_nodes_and_survives_losing_one(cluster: tuple[Cluster, Any]) -> None:
     two, second = cluster
     actors = _members("node_a", 2) + _members("node_b", 2)

@@ -192,7 +192,12 @@ class CpuGroup(BaseGroup):
             try:
                 body(time.monotonic() + timeout.total_seconds())
             except BaseException as exc:
-                raise self._failed(op, timeout, exc) from exc
+                error = self._failed(op, timeout, exc)
+                if error is exc:
+                    raise
+                # The cause's frames hold views of the arena; a group broken by it keeps
+                # the error, and the views would keep the arena mapped after destroy.
+                raise error from exc.with_traceback(None)
 
         task = Task(run, lambda waited: self._expired(op, waited))
         self._lane(lane).submit(task, options.async_op)
@@ -478,5 +483,8 @@ class CpuGroup(BaseGroup):
         idle = all(lane.idle(_IDLE_S) for lane in lanes)
         self._plan = None
         if idle:
+            for user in (self._waiter, self._steps, self._mail):
+                if user is not None:
+                    user.release()
             self._waiter, self._steps, self._mail = None, None, None
             self._found.close_arena()

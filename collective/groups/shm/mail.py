@@ -64,6 +64,10 @@ class Mail:
             _pair_counter(arena, p, local_rank, MAIL_CONSUMED, local_rank) for p in range(size)
         ]
 
+    def release(self) -> None:
+        """Drop every view of the arena, so that it can be unmapped; no message may follow."""
+        self._out_posted, self._out_consumed, self._in_posted, self._in_consumed = [], [], [], []
+
     def counters(self) -> list[Counter]:
         """Return every counter this rank may sleep on, to wake its sleepers."""
         return self._out_consumed + self._in_posted

@@ -200,6 +200,11 @@ class Steps:
         self.step += 1
         return step
 
+    def release(self) -> None:
+        """Drop every view of the arena, so that it can be unmapped; no step may follow."""
+        self.slots, self.posted, self.consumed = [], [], []
+        self._headers = self._control = np.zeros((0, 0, 0), np.int64)
+
     def all_counters(self) -> list[Counter]:
         """Return every counter of the arena's slots, to wake their sleepers."""
         return self.posted + self.consumed

@@ -209,6 +209,10 @@ class Waiter:
         self._crowded = arena.layout.local_size > cores
         self._header = arena.header
 
+    def release(self) -> None:
+        """Drop this waiter's view of the arena, so that it can be unmapped."""
+        self._header = np.zeros(ABORT_WORD + 1, np.int64)
+
     def aborted_by(self) -> int | None:
         """Return the local rank that set the abort word, or None."""
         value = int(self._header[ABORT_WORD])
