@@ -150,6 +150,11 @@ class CheckedGroup(BaseGroup):
         return self._inner.backend_name()
 
     @property
+    def transport(self) -> str:
+        """Return how the wrapped group moves bytes."""
+        return self._inner.transport
+
+    @property
     def device_type(self) -> str:  # type: ignore[override]
         """Return the device kind the wrapped group takes."""
         return self._inner.device_type

@@ -7,6 +7,7 @@ Gloo among the nodes' leaders) runs for real.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -30,7 +31,6 @@ from collective.types import (
     BarrierOptions,
     BroadcastOptions,
     CollectiveError,
-    CollectiveTimeoutError,
     CpuTransport,
     GatherOptions,
     GroupOptions,
@@ -532,7 +532,7 @@ def test_two_threads_drive_two_groups_of_the_same_ranks() -> None:
         for thread in threads:
             thread.join(JOIN_TIMEOUT_S)
 
-    _run_threads([lambda r=r: rank_body(r) for r in range(2)], JOIN_TIMEOUT_S)
+    _run_threads([functools.partial(rank_body, r) for r in range(2)], JOIN_TIMEOUT_S)
     for which in (0, 1):
         want = sum(2 * i + 1 + 2 * which for i in range(200))
         assert results[(0, which)] == results[(1, which)] == want

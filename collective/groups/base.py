@@ -99,6 +99,11 @@ class BaseGroup(ABC):
         return self._options
 
     @property
+    def transport(self) -> str:
+        """Return how this group moves bytes; CPU groups say "shm", "hierarchical" or "gloo"."""
+        return self.backend_name()
+
+    @property
     def error(self) -> CollectiveError | None:
         """Return the failure that made this group unusable, or None if it is healthy."""
         return self._error
