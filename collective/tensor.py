@@ -32,6 +32,21 @@ class TensorSpec:
         return f"{self.dtype}[{dims}] on {self.device}"
 
 
+_NAMES_BY_NUM: dict[int, str] = {}
+"""numpy's dtype names by dtype number, for the names in ``DTYPES``: ``dtype.name`` builds
+a new string on every call (microseconds), ``dtype.num`` does not."""
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Return the name of the numpy ``dtype``, e.g. ``"float32"``; cheap for ``DTYPES``."""
+    name = _NAMES_BY_NUM.get(dtype.num)
+    if name is None:
+        name = dtype.name
+        if name in DTYPES:
+            _NAMES_BY_NUM[dtype.num] = name
+    return name
+
+
 def _is_torch(x: Any) -> bool:
     """Return whether ``x`` is a torch tensor, without importing torch for the answer.
 
@@ -58,14 +73,14 @@ def spec(x: Any, name: str) -> TensorSpec:
 
     """
     if isinstance(x, np.ndarray):
-        kind, shape, dtype, device = "numpy", x.shape, x.dtype.name, "cpu"
+        kind, shape, dtype, device = "numpy", x.shape, dtype_name(x.dtype), "cpu"
         if not x.dtype.isnative:
             raise TypeError(f"{name} must have native byte order, got {x.dtype.str}")
     elif _is_torch(x):
         kind, shape, device = "torch", tuple(x.shape), str(x.device)
         dtype = str(x.dtype).removeprefix("torch.")
     elif _is_cupy(x):
-        kind, shape, dtype = "cupy", tuple(x.shape), x.dtype.name
+        kind, shape, dtype = "cupy", tuple(x.shape), dtype_name(x.dtype)
         device = f"cuda:{x.device.id}"
     else:
         raise TypeError(
@@ -176,7 +191,9 @@ class CpuBuffer:
         if self._tensor is None:
             import torch
 
-            self._tensor = torch.from_numpy(self._array)
+            array = self._array
+            # torch may not alias read-only memory: it warns, and so would every gloo op.
+            self._tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         return self._tensor
 
     @property
@@ -192,7 +209,7 @@ class CpuBuffer:
     def dtype(self) -> str:
         """Return the buffer's dtype name, e.g. ``"bfloat16"``."""
         if self._array is not None:
-            return self._array.dtype.name
+            return dtype_name(self._array.dtype)
         return str(self._tensor.dtype).removeprefix("torch.")
 
     @property

@@ -199,8 +199,15 @@ class CpuGroup(BaseGroup):
                 # the error, and the views would keep the arena mapped after destroy.
                 raise error from exc.with_traceback(None)
 
+        stream = self._lane(lane)
+        if not options.async_op and stream.enter():
+            try:
+                run()
+            finally:
+                stream.leave()
+            return _DONE
         task = Task(run, lambda waited: self._expired(op, waited))
-        self._lane(lane).submit(task, options.async_op)
+        stream.submit(task, options.async_op)
         if options.async_op:
             return task
         task.wait()

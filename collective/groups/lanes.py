@@ -92,6 +92,25 @@ class Lane:
         self._stopped: BaseException | None = None
         self._worker: threading.Thread | None = None
 
+    def enter(self) -> bool:
+        """Claim the idle lane for one blocking op in this thread; False if it is not idle.
+
+        A caller that got True runs its op, then calls ``leave``. This is ``submit``
+        of a blocking op without the task: the common case, made cheap.
+        """
+        with self._cond:
+            if self._busy or self._queue or self._stopped is not None:
+                return False
+            self._busy = True
+            return True
+
+    def leave(self) -> None:
+        """Release the lane claimed by ``enter``."""
+        with self._cond:
+            self._busy = False
+            if self._queue:
+                self._cond.notify_all()
+
     def submit(self, task: Task, async_op: bool) -> Task:
         """Run ``task`` now in this thread if it is blocking and the lane idle, else queue it.
 

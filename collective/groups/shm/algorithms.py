@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from collective.groups.shm.kernels import Reducer
-from collective.groups.shm.steps import Signature, Steps
+from collective.groups.shm.steps import Steps
 
 _PIECE_ALIGN = 64
 """Pieces of a slot shared among ranks start at multiples of this many bytes."""
@@ -43,7 +43,7 @@ class Collectives:
     def barrier(self, deadline: float) -> None:
         """Return once every local rank has entered the barrier."""
         steps = self.steps
-        steps.begin(Signature("barrier"))
+        steps.begin("barrier")
         step = steps.next()
         steps.free(step, deadline)
         steps.post(step)
@@ -53,7 +53,7 @@ class Collectives:
     def broadcast(self, data: np.ndarray, root: int, dtype: str, deadline: float) -> None:
         """Copy ``root``'s ``data`` into every other rank's ``data``, in place."""
         steps, me = self.steps, self.rank
-        steps.begin(Signature("broadcast", dtype, root=root, nbytes=data.size))
+        steps.begin("broadcast", dtype, root=root, nbytes=data.size)
         for start, end in _spans(data.size, steps.slot_bytes):
             step = steps.next()
             if me == root:
@@ -70,8 +70,7 @@ class Collectives:
     ) -> None:
         """Reduce every rank's ``data`` onto ``root``'s ``data``; the others' stay as they were."""
         steps, me = self.steps, self.rank
-        signature = Signature("reduce", dtype, reducer.op.value, root, data.size)
-        steps.begin(signature)
+        steps.begin("reduce", dtype, reducer.op.value, root, data.size)
         for start, end in _spans(data.size, steps.slot_bytes):
             step = steps.next()
             length = end - start
@@ -90,7 +89,7 @@ class Collectives:
     def allreduce(self, data: np.ndarray, reducer: Reducer, dtype: str, deadline: float) -> None:
         """Reduce every rank's ``data`` into every rank's ``data``, in place."""
         steps = self.steps
-        steps.begin(Signature("allreduce", dtype, reducer.op.value, -1, data.size))
+        steps.begin("allreduce", dtype, reducer.op.value, -1, data.size)
         for start, end in _spans(data.size, steps.slot_bytes):
             step = steps.next()
             length = end - start
@@ -111,7 +110,7 @@ class Collectives:
     ) -> None:
         """Write every rank's ``piece`` into ``outputs[rank]`` on every rank."""
         steps, me = self.steps, self.rank
-        steps.begin(Signature("allgather", dtype, nbytes=piece.size))
+        steps.begin("allgather", dtype, nbytes=piece.size)
         for start, end in _spans(piece.size, steps.slot_bytes):
             step = steps.next()
             length = end - start
@@ -129,7 +128,7 @@ class Collectives:
     ) -> None:
         """Write every rank's ``piece`` into ``outputs[rank]`` on ``root`` (``[]`` elsewhere)."""
         steps, me = self.steps, self.rank
-        steps.begin(Signature("gather", dtype, root=root, nbytes=piece.size))
+        steps.begin("gather", dtype, root=root, nbytes=piece.size)
         for start, end in _spans(piece.size, steps.slot_bytes):
             step = steps.next()
             length = end - start
@@ -149,7 +148,7 @@ class Collectives:
     ) -> None:
         """Write ``root``'s ``inputs[rank]`` into every rank's ``output``."""
         steps, me = self.steps, self.rank
-        steps.begin(Signature("scatter", dtype, root=root, nbytes=output.size))
+        steps.begin("scatter", dtype, root=root, nbytes=output.size)
         piece = _piece_bytes(steps)
         for start, end in _spans(output.size, piece):
             step = steps.next()
@@ -177,8 +176,7 @@ class Collectives:
     ) -> None:
         """Reduce ``inputs[rank]`` of every rank into ``rank``'s ``output``; inputs stay."""
         steps, me = self.steps, self.rank
-        signature = Signature("reducescatter", dtype, reducer.op.value, -1, output.size)
-        steps.begin(signature)
+        steps.begin("reducescatter", dtype, reducer.op.value, -1, output.size)
         piece = _piece_bytes(steps, reducer.itemsize)
         for start, end in _spans(output.size, piece):
             step = steps.next()
@@ -208,7 +206,7 @@ class Collectives:
         any data moves, and the group stays usable.
         """
         steps, me, n = self.steps, self.rank, self.size
-        steps.begin(Signature("alltoall", dtype))
+        steps.begin("alltoall", dtype)
         step = steps.next()
         steps.free(step, deadline)
         mine = steps.slot(step)[: 16 * n].view(np.int64)

@@ -120,20 +120,30 @@ class Steps:
         self.op = 0
         self._sig = 0
         self._nbytes = 0
-        self._describe = Signature("barrier")
+        self._key: tuple[str, str, int, int] = ("barrier", "", -1, -1)
+        self._words: dict[tuple[str, str, int, int], int] = {}
 
     @property
     def others(self) -> list[int]:
         """Return the other local ranks."""
         return self._others
 
-    def begin(self, signature: Signature) -> None:
-        """Start an op: count it, and announce it in this rank's control block."""
+    def begin(
+        self, kind: str, dtype: str = "", reduce_op: int = -1, root: int = -1, nbytes: int = 0
+    ) -> None:
+        """Start an op of ``Signature(kind, ...)``: count it, and announce it."""
         self.op += 1
         self._control[OP_SEQ] = self.op
-        self._sig = signature.word()
-        self._nbytes = signature.nbytes
-        self._describe = signature
+        key = (kind, dtype, reduce_op, root)
+        word = self._words.get(key)
+        if word is None:
+            word = self._words[key] = Signature(kind, dtype, reduce_op, root).word()
+        self._sig = word
+        self._nbytes = nbytes
+        self._key = key
+
+    def _describe(self) -> str:
+        return Signature(*self._key, self._nbytes).describe()
 
     def slot(self, step: int) -> np.ndarray:
         """Return this rank's slot for ``step``."""
@@ -176,13 +186,13 @@ class Steps:
         if header[HDR_OP] != self.op or header[HDR_SIG] != self._sig:
             raise MismatchError(
                 f"local rank {rank} posted op #{int(header[HDR_OP])} with another signature "
-                f"where this rank runs op #{self.op}, {self._describe.describe()}: the ranks "
+                f"where this rank runs op #{self.op}, {self._describe()}: the ranks "
                 "called different ops, or passed different roots, dtypes or reductions"
             )
         if header[HDR_BYTES] != self._nbytes:
             raise MismatchError(
                 f"local rank {rank} passed {int(header[HDR_BYTES])} bytes where this rank "
-                f"passed {self._nbytes} to op #{self.op}, {self._describe.describe()}"
+                f"passed {self._nbytes} to op #{self.op}, {self._describe()}"
             )
 
     def collect_all(self, step: int, deadline: float) -> None:
