@@ -45,6 +45,7 @@ html_title = f"collective {release}"
 PAGES = [
     "quickstart",
     "concepts",
+    "data-movement",
     "support-matrix",
     "migration",
     "nccl",

@@ -111,7 +111,7 @@ class Layout:
                 f"({64 * local_size}), got {slot_bytes}"
             )
         pairs = local_size * local_size
-        mail = _clamp(MAIL_BUDGET // (2 * pairs), 16 << 10, 256 << 10) // PAGE * PAGE
+        mail = _clamp(MAIL_BUDGET // (2 * pairs), PAGE, 256 << 10) // PAGE * PAGE
         return cls(local_size, slot_bytes, 2, min(mail, _align(slot_bytes, PAGE)), 2)
 
     @property
