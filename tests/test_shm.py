@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from collective.groups.cpu import CpuGroup
+from collective.groups.shm.algorithms import SPLIT_ALLREDUCE_BYTES
 from collective.groups.shm.arena import SHM_DIR, Layout
 from collective.store import TCPRendezvousStore
 from collective.types import (
@@ -205,6 +206,27 @@ def test_long_messages_stream_through_small_slots(world_size: int) -> None:
             )
         chunk = sum(_inputs(r + rank, count, "int64") for r in range(n))
         np.testing.assert_array_equal(out["reducescatter"], chunk)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_long_allreduce_among_three_or_more_splits_the_reduction(world_size: int) -> None:
+    count = SPLIT_ALLREDUCE_BYTES // 4 + 777  # float32: past the threshold, uneven pieces
+
+    def fn(group: CpuGroup, rank: int) -> dict[str, Any]:
+        x = _inputs(rank, count, "float32")
+        group.allreduce([x], AllReduceOptions())
+        y = _inputs(rank, count // 2, "int64")
+        group.allreduce([y], AllReduceOptions(ReduceOp.MIN))
+        return {"sum": x, "min": y}
+
+    results = run_cpu(world_size, fn, slot_bytes=4096)
+    ranks = range(world_size)
+    want_sum = np.sum([_inputs(r, count, "float32") for r in ranks], axis=0)
+    want_min = np.min([_inputs(r, count // 2, "int64") for r in ranks], axis=0)
+    for out in results:
+        np.testing.assert_array_equal(out["sum"], results[0]["sum"])
+        np.testing.assert_allclose(out["sum"], want_sum)
+        np.testing.assert_array_equal(out["min"], want_min)
 
 
 def test_send_recv_longer_than_the_mailboxes_both_ways_at_once() -> None:

@@ -14,6 +14,10 @@ import numpy as np
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.steps import Steps
 
+SPLIT_ALLREDUCE_BYTES = 256 << 10
+"""Allreduces of at least this many bytes among three or more local ranks split the
+reduction among the ranks (see ``Collectives.allreduce``)."""
+
 _PIECE_ALIGN = 64
 """Pieces of a slot shared among ranks start at multiples of this many bytes."""
 
@@ -87,9 +91,17 @@ class Collectives:
             steps.done(step)
 
     def allreduce(self, data: np.ndarray, reducer: Reducer, dtype: str, deadline: float) -> None:
-        """Reduce every rank's ``data`` into every rank's ``data``, in place."""
+        """Reduce every rank's ``data`` into every rank's ``data``, in place.
+
+        Short messages, and any message between two ranks, reduce every slot on
+        every rank (one step per slot of message). Longer messages among three or
+        more ranks split each slot of message into one piece per rank: rank i
+        reduces piece i and posts it, and every rank copies the others' pieces
+        (two steps per slot, and 1/ranks of the reduction work per rank).
+        """
         steps = self.steps
         steps.begin("allreduce", dtype, reducer.op.value, -1, data.size)
+        split = self.size > 2 and data.size >= SPLIT_ALLREDUCE_BYTES
         for start, end in _spans(data.size, steps.slot_bytes):
             step = steps.next()
             length = end - start
@@ -97,6 +109,9 @@ class Collectives:
             steps.slot(step)[:length] = data[start:end]
             steps.post(step)
             steps.collect_all(step, deadline)
+            if split:
+                self._reduce_pieces(data[start:end], step, reducer, deadline)
+                continue
             out = data[start:end]
             slots = [steps.peer_slot(r, step)[:length] for r in range(self.size)]
             reducer(slots[0], slots[1], out)
@@ -104,6 +119,30 @@ class Collectives:
                 reducer(out, contribution, out)
             reducer.finish(out)
             steps.done(step)
+
+    def _reduce_pieces(self, out: np.ndarray, step: int, reducer: Reducer, deadline: float) -> None:
+        """Reduce this rank's piece of ``step``'s slots, post it, and copy in the others'."""
+        steps, me, n = self.steps, self.rank, self.size
+        length = out.size
+        piece = -(-length // n // reducer.itemsize) * reducer.itemsize
+        spans = [(min(r * piece, length), min((r + 1) * piece, length)) for r in range(n)]
+        a, b = spans[me]
+        slots = [steps.peer_slot(r, step)[a:b] for r in range(n)]
+        mine = out[a:b]
+        reducer(slots[0], slots[1], mine)
+        for contribution in slots[2:]:
+            reducer(mine, contribution, mine)
+        reducer.finish(mine)
+        steps.done(step)
+        result = steps.next()
+        steps.free(result, deadline)
+        steps.slot(result)[a:b] = mine
+        steps.post(result)
+        for rank in steps.others:
+            steps.collect(rank, result, deadline)
+            a, b = spans[rank]
+            out[a:b] = steps.peer_slot(rank, result)[a:b]
+        steps.done(result)
 
     def allgather(
         self, piece: np.ndarray, outputs: list[np.ndarray], dtype: str, deadline: float
