@@ -8,7 +8,6 @@ from typing import Any
 
 from collective import checks, registry, rendezvous
 from collective.groups.base import BaseGroup, constructor
-from collective.incarnation import IncarnationStore
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
 from collective.signature import CheckedGroup
@@ -22,6 +21,7 @@ from collective.types import (
 )
 
 _manager = GroupManager()
+rendezvous.set_end_handler(_manager.end)
 
 
 def _ray() -> Any:
@@ -68,15 +68,12 @@ def _join_and_build(
     """Meet the other ranks through the group's store actor and connect to them."""
     cls = registry.group_class(backend)
     try:
-        store, incarnation = rendezvous.join_store(
-            group_name, rank, world_size, backend, timeout, declared
-        )
+        store, _ = rendezvous.join_store(group_name, rank, world_size, backend, timeout, declared)
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
     try:
-        scoped = IncarnationStore(store, incarnation)
         build = constructor(cls)
-        group = build(world_size, rank, group_name, scoped, timeout, node_ip(), options=options)
+        group = build(world_size, rank, group_name, store, timeout, node_ip(), options=options)
     except CollectiveTimeoutError as exc:
         detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
         rendezvous.leave_store(store, rank)
@@ -94,20 +91,23 @@ def create_group(group_name: str, build: Callable[[], tuple[BaseGroup, Any]]) ->
         CollectiveError: a group of that name exists here or is being built.
 
     """
+    _close_ended(group_name)
     _manager.create(group_name, build)
+
+
+def _close_ended(group_name: str) -> str | None:
+    """Close this process's copy of ``group_name`` if its driver ended it; return why it ended."""
+    entry, reason = _manager.take_ended(group_name)
+    if entry is not None:
+        entry[0].destroy_group()
+    return reason
 
 
 def _declared_rank(group_name: str) -> tuple[Declaration, int] | None:
     """Return the declaration of ``group_name`` and this actor's rank in it, or None."""
     if not _in_ray_worker():
         return None
-    store = rendezvous.find_store(group_name)
-    if store is None:
-        return None
-    try:
-        declaration = store.call("declaration")
-    except (CollectiveError, TimeoutError):
-        return None
+    declaration = rendezvous.declaration(group_name)
     actor_id = _ray().get_runtime_context().get_actor_id()
     if declaration is None or actor_id not in declaration.ranks:
         return None
@@ -150,9 +150,13 @@ def group_entry(group_name: str) -> tuple[BaseGroup, Any]:
     """
     checks.check_group_name(group_name)
     entry = _manager.entry(group_name)
-    if entry is None:
-        _manager.get_or_build(group_name, lambda: _build_declared(group_name))
-        entry = _manager.entry(group_name)
+    if entry is not None:
+        return entry
+    ended = _close_ended(group_name)
+    _manager.get_or_build(group_name, lambda: _build_declared(group_name))
+    entry = _manager.entry(group_name)
+    if entry is None and ended is not None:
+        raise GroupNotFoundError(f"{ended}; create it again to use it")
     if entry is None:
         raise GroupNotFoundError(
             f"group {group_name!r} is not initialized in this process and was not declared "
@@ -250,7 +254,8 @@ def declare_collective_group(
 
     Raises:
         ValueError, TypeError: an argument is invalid.
-        CollectiveError: a group of that name exists, or the backend is unavailable.
+        CollectiveError: a live group of that name exists, an earlier one is still
+            being left by its members after ``timeout``, or the backend is unavailable.
 
     """
     checks.check_group_name(group_name)
@@ -278,43 +283,37 @@ def declare_collective_group(
     registry.group_class(backend, here=False)
     membership = dict(zip(ids, ranks, strict=True))
     declaration = Declaration(world_size, backend, membership, group_timeout, check_args, options)
-    rendezvous.declare_store(group_name, declaration)
+    try:
+        rendezvous.declare_store(group_name, declaration)
+    except TimeoutError as exc:
+        raise CollectiveError(f"cannot declare group {group_name!r}: {exc}") from exc
 
 
 create_collective_group = declare_collective_group
 
 
 def destroy_collective_group(group_name: str = "default") -> None:
-    """Destroy a group: inside a member, leave it; from the driver, remove its store.
+    """Destroy a group: inside a member, leave it; from the driver, end it in every member.
 
-    In a member this closes the group's connections. The group's store actor is
-    removed once every member that joined has left, or at once when this is called
-    outside an actor or on a group broken by a failure (its dead members would
-    never leave). Destroying a group that does not exist does nothing.
+    In a member this closes the group's connections and leaves it; the group is
+    gone once every member that joined has left it or died. In the driver of the
+    job that declared the group or holds its members, it ends the group at once:
+    each member's next op on it raises ``CollectiveError`` saying so, and the name
+    is free. Anywhere else it does nothing: in a Ray task or actor that does not
+    hold the group (a declared member before its first op included), or for a
+    group that does not exist.
     """
     checks.check_group_name(group_name)
     entry = _manager.remove(group_name)
     if entry is not None:
         group, store = entry
-        broken = getattr(group, "error", None) is not None
         group.destroy_group()
-        if isinstance(store, RayRendezvousStore) and broken:
-            rendezvous.kill_store(store)
-        elif isinstance(store, RayRendezvousStore):
+        if isinstance(store, RayRendezvousStore):
             rendezvous.leave_store(store, group.rank)
         return
     ray = _ray()
-    if not ray.is_initialized():
-        return
-    store = rendezvous.find_store(group_name)
-    if store is None:
-        return
-    if not _in_ray_worker() or ray.get_runtime_context().get_actor_id() is None:
-        rendezvous.kill_store(store)
-        return
-    found = _declared_rank(group_name)
-    if found is not None:
-        rendezvous.leave_store(store, found[1])
+    if ray.is_initialized() and not _in_ray_worker():
+        rendezvous.end_group(group_name)
 
 
 def is_group_initialized(group_name: str = "default") -> bool:
@@ -327,6 +326,7 @@ def _membership(group_name: str) -> tuple[int, int]:
     group = _manager.get(checks.check_group_name(group_name))
     if group is not None:
         return group.rank, group.world_size
+    _close_ended(group_name)
     found = _declared_rank(group_name)
     return (found[1], found[0].world_size) if found else (-1, -1)
 
@@ -363,27 +363,28 @@ def nccl_available() -> bool:
 
 
 def destroy_all_collective_groups() -> None:
-    """Destroy every group this process holds; from the driver, also remove every group's store.
+    """Destroy every group this process holds; from the driver, also end every group of its job.
 
     Inside an actor this leaves each of its groups, as ``destroy_collective_group``
-    does. In the driver it also removes the store of every group of this job's
-    namespace, so that none is left behind.
+    does. In the driver it also ends, in their members, every group of the
+    namespace that its job declared or whose members belong to its job.
     """
     for name in _manager.names():
         destroy_collective_group(name)
     ray = _ray()
     if ray.is_initialized() and not _in_ray_worker():
-        for name in rendezvous.list_stores():
+        for name in rendezvous.list_groups():
             destroy_collective_group(name)
 
 
 def list_collective_groups() -> list[str]:
     """Return the names of the live groups of this job, in every process.
 
-    A group is listed while its store exists: from its creation or declaration until
-    it is destroyed. Subgroups made by ``new_group`` have no store and are not listed.
+    A group is listed from its creation or declaration until it is destroyed, or
+    until all its members are dead. Subgroups made by ``new_group`` meet inside their
+    parent's rendezvous and are not listed.
     """
-    return rendezvous.list_stores() if _ray().is_initialized() else []
+    return rendezvous.list_groups() if _ray().is_initialized() else []
 
 
 def get_collective_groups(
@@ -403,14 +404,5 @@ def get_collective_groups(
         return [n for n, g in groups if g is not None and wanted in (None, g.backend_name())]
     if not isinstance(actors, (list, tuple)):
         raise TypeError(f"actors must be a list of actor handles, got {type(actors).__name__}")
-    ids = {actor._ray_actor_id.hex() for actor in actors}
-    found = []
-    for name in list_collective_groups():
-        store = rendezvous.find_store(name)
-        try:
-            group_backend, members = store.call("members") if store else (None, [])
-        except (CollectiveError, TimeoutError):
-            continue
-        if ids <= set(members) and wanted in (None, group_backend):
-            found.append(name)
-    return found
+    ids = sorted({actor._ray_actor_id.hex() for actor in actors})
+    return rendezvous.groups_with(ids, wanted) if _ray().is_initialized() else []

@@ -12,19 +12,28 @@ from collective.types import CollectiveError
 Builder = Callable[[], "tuple[BaseGroup, Any] | None"]
 """Makes a group and its rendezvous handle, or returns None when there is none to make."""
 
+Entry = tuple[BaseGroup, Any]
+"""A group and its rendezvous store."""
+
 
 class GroupManager:
     """Map group names to this process's groups and their rendezvous stores.
 
     Building a group blocks on the other ranks, so it happens under a lock of its
     own name only: a slow rendezvous in one group never stalls another group.
+
+    A group its driver ended elsewhere is moved aside (``end``), from the thread
+    that hears of it: lookups no longer find it, and the next caller that wants
+    the name takes it (``take_ended``) to close it and learn why it ended.
     """
 
     def __init__(self) -> None:
         """Start with no groups."""
         self._lock = threading.Lock()
-        self._groups: dict[str, tuple[BaseGroup, Any]] = {}
+        self._groups: dict[str, Entry] = {}
         self._building: dict[str, threading.Lock] = {}
+        self._ended: dict[str, tuple[Entry | None, str]] = {}
+        self._ending: dict[str, tuple[str, str]] = {}
 
     def _name_lock(self, name: str) -> threading.Lock:
         with self._lock:
@@ -36,15 +45,15 @@ class GroupManager:
             entry = self._groups.get(name)
         return entry[0] if entry else None
 
-    def entry(self, name: str) -> tuple[BaseGroup, Any] | None:
+    def entry(self, name: str) -> Entry | None:
         """Return the group called ``name`` and its rendezvous store, or None."""
         with self._lock:
             return self._groups.get(name)
 
     def names(self) -> list[str]:
-        """Return the names of this process's groups."""
+        """Return the names of this process's groups, the ended ones not yet closed included."""
         with self._lock:
-            return sorted(self._groups)
+            return sorted(set(self._groups) | {n for n, e in self._ended.items() if e[0]})
 
     def create(self, name: str, build: Callable[[], tuple[BaseGroup, Any]]) -> BaseGroup:
         """Build and register a new group called ``name``.
@@ -77,11 +86,46 @@ class GroupManager:
 
     def _register(self, name: str, built: tuple[BaseGroup, Any]) -> BaseGroup:
         with self._lock:
-            self._groups[name] = built
+            ending = self._ending.pop(name, None)
+            if ending is not None and ending[0] == _incarnation(built):
+                self._ended[name] = (built, ending[1])
+            else:
+                self._ended.pop(name, None)
+                self._groups[name] = built
         return built[0]
 
-    def remove(self, name: str) -> tuple[BaseGroup, Any] | None:
-        """Forget the group called ``name``; return it and its store, or None."""
+    def remove(self, name: str) -> Entry | None:
+        """Forget the group called ``name``, live or ended; return it and its store, or None."""
         with self._lock:
             self._building.pop(name, None)
-            return self._groups.pop(name, None)
+            self._ending.pop(name, None)
+            ended = self._ended.pop(name, (None, ""))[0]
+            return self._groups.pop(name, None) or ended
+
+    def end(self, name: str, incarnation: str, reason: str) -> None:
+        """Move the group ``name`` aside if it is ``incarnation``, which its driver ended.
+
+        A group of that incarnation still being built is moved aside once built.
+        """
+        with self._lock:
+            entry = self._groups.get(name)
+            if entry is not None and _incarnation(entry) == incarnation:
+                del self._groups[name]
+                self._ended[name] = (entry, reason)
+            else:
+                self._ending[name] = (incarnation, reason)
+
+    def take_ended(self, name: str) -> tuple[Entry | None, str | None]:
+        """Return the ended group ``name`` (once) and why it ended; ``(None, None)`` if it did not.
+
+        The reason stays until the name is removed or built again.
+        """
+        with self._lock:
+            entry, reason = self._ended.get(name, (None, None))
+            if reason is not None:
+                self._ended[name] = (None, reason)
+            return entry, reason
+
+
+def _incarnation(entry: Entry) -> str:
+    return getattr(entry[1], "incarnation", "")

@@ -1,205 +1,212 @@
-"""Where ranks meet in Ray: the named store actor of each group, and its client side."""
+"""Where ranks meet in Ray: the client side of the namespace's shared store actor.
+
+One named detached ``StoreActor`` (``collective.store_actor``) per namespace hosts
+every group. This process finds it once and keeps its handle; the first caller
+in a namespace creates it. Joining a group starts, once per process, a thread
+that listens for the notices the store sends when a driver ends one of this
+process's groups, and hands each to the handler that ``set_end_handler``
+installed.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from collective.liveness import current_member
 from collective.store import RendezvousStore
-from collective.types import CollectiveError, GroupOptions
+from collective.store_actor import STORE_ACTOR_NAME, Declaration, StoreActor
+from collective.types import CollectiveError
 
-STORE_ACTOR_PREFIX = "collective.store."
-"""Named store actors are called this prefix followed by the group name."""
+__all__ = [
+    "STORE_ACTOR_NAME",
+    "Declaration",
+    "RayRendezvousStore",
+    "declaration",
+    "declare_store",
+    "end_group",
+    "groups_with",
+    "join_store",
+    "leave_store",
+    "list_groups",
+    "missing_ranks_detail",
+    "set_end_handler",
+]
 
 _RPC_GRACE_S = 5.0
 """Extra seconds a client waits for a store actor's reply beyond the wait it asked for."""
 
+_NOTICE_WAIT_S = 60.0
+"""How long one call of the notice listener waits in the store before it is issued again."""
 
-@dataclass(frozen=True)
-class Declaration:
-    """A group declared from the driver: who is in it, and how it is built."""
+_RETRY_S = 0.05
+"""Pause before asking again for the store actor after finding it dead or exiting."""
 
-    world_size: int
-    backend: str
-    ranks: dict[str, int]
-    timeout: timedelta
-    check_args: bool = False
-    options: GroupOptions = field(default_factory=GroupOptions)
+EndHandler = Callable[[str, str, str], None]
+"""Called with (group, incarnation, reason) when a driver ends a group this process joined."""
 
 
-@dataclass
-class _Membership:
-    world_size: int
-    backend: str
-    joined: dict[int, str] = field(default_factory=dict)
-    left: set[int] = field(default_factory=set)
+class _Connection:
+    """Hold this process's handle on the namespace's store actor, and its notice listener."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handle: Any = None
+        self._listening: Any = None
+        self.on_end: EndHandler = lambda group, incarnation, reason: None
 
-class StoreActor:
-    """The named detached actor behind one group: its key-value store and membership.
+    def find(self) -> Any:
+        """Return the store actor's handle, or None when the namespace has none."""
+        import ray
 
-    Every method is a coroutine, so a rank waiting on a key never blocks the others.
-    Errors are returned as strings rather than raised, so that callers can raise
-    them with their own context.
-    """
+        with self._lock:
+            if self._handle is None:
+                try:
+                    self._handle = ray.get_actor(STORE_ACTOR_NAME)
+                except ValueError:
+                    return None
+            return self._handle
 
-    def __init__(self, group_name: str, declaration: Declaration | None) -> None:
-        """Start an empty store for ``group_name``, optionally with a declaration."""
-        self._group_name = group_name
-        self._declaration = declaration
-        self._incarnation = uuid.uuid4().hex
-        self._values: dict[str, bytes] = {}
-        self._events: dict[str, asyncio.Event] = {}
-        self._members: _Membership | None = None
-        if declaration is not None:
-            self._members = _Membership(declaration.world_size, declaration.backend)
-        self._closed = False
+    def get_or_create(self) -> Any:
+        """Return the store actor's handle, creating the actor if the namespace has none."""
+        import ray
 
-    async def declaration(self) -> Declaration | None:
-        """Return the driver's declaration, or None for a group made by init."""
-        return self._declaration
+        with self._lock:
+            if self._handle is None:
+                self._handle = (
+                    ray.remote(StoreActor)
+                    .options(
+                        name=STORE_ACTOR_NAME,
+                        lifetime="detached",
+                        get_if_exists=True,
+                        num_cpus=0,
+                        max_restarts=0,
+                        max_concurrency=10_000,
+                    )
+                    .remote()
+                )
+            return self._handle
 
-    async def join(
-        self,
-        rank: int,
-        world_size: int,
-        backend: str,
-        actor_id: str,
-        from_declaration: bool = False,
-    ) -> tuple[str, str]:
-        """Record that ``rank`` has arrived, by init or ``from_declaration``.
+    def forget(self, handle: Any) -> None:
+        """Drop ``handle`` after it failed, so that the next call looks the actor up again."""
+        with self._lock:
+            if self._handle is handle:
+                self._handle = None
 
-        Returns:
-            ``("ok", incarnation)``; ``("retired", holders)`` when this store is
-            closed or closing and a new one must be made once it is gone, with
-            the ranks that still hold it; or ``("error", message)``.
+    def listen(self, handle: Any) -> None:
+        """Make sure a thread listens for this process's notices on ``handle``."""
+        with self._lock:
+            if self._listening is handle:
+                return
+            self._listening = handle
+        thread = threading.Thread(
+            target=self._listen, args=(handle,), name="collective-notices", daemon=True
+        )
+        thread.start()
 
-        """
-        if self._closed:
-            return "retired", "[]"
-        if self._declaration is not None and not from_declaration:
-            return "error", (
-                "it was declared from the driver; its members build it on first use "
-                "and must not call init_collective_group for it"
-            )
-        declared = self._declaration
-        if declared is not None and declared.ranks.get(actor_id, rank) != rank:
-            return "error", (
-                f"this actor was declared as rank {declared.ranks[actor_id]}, "
-                f"but asked to join as rank {rank}"
-            )
-        if declared is not None and actor_id not in declared.ranks:
-            return "error", "this actor is not among the actors the group was declared with"
-        members = self._members or _Membership(world_size, backend)
-        if (members.world_size, members.backend) != (world_size, backend):
-            return "error", (
-                f"rank {rank} asked for world_size={world_size}, backend={backend!r}, but "
-                f"the group has world_size={members.world_size}, backend={members.backend!r}"
-            )
-        if rank in members.left:
-            return "retired", str(sorted(set(members.joined) - members.left))
-        holder = members.joined.get(rank)
-        if holder is not None and holder != actor_id:
-            return "error", f"rank {rank} was already taken by another actor"
-        self._members = members
-        members.joined[rank] = actor_id
-        return "ok", self._incarnation
+    def _listen(self, handle: Any) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError
 
-    async def leave(self, rank: int) -> bool:
-        """Record that ``rank`` has left; return True once every joined rank has left."""
-        members = self._members
-        if members is not None and rank in members.joined:
-            members.left.add(rank)
-        if members is None or members.left >= set(members.joined):
-            self._closed = True
-        return self._closed
-
-    async def members(self) -> tuple[str | None, list[str]]:
-        """Return the group's backend and its members' actor ids, declared or joined."""
-        if self._declaration is not None:
-            return self._declaration.backend, sorted(self._declaration.ranks)
-        if self._members is None:
-            return None, []
-        return self._members.backend, sorted(self._members.joined.values())
-
-    async def arrivals(self) -> tuple[int | None, list[int]]:
-        """Return the world size and the ranks that have joined, in order."""
-        if self._members is None:
-            return None, []
-        return self._members.world_size, sorted(self._members.joined)
-
-    async def set(self, key: str, value: bytes) -> None:
-        """Publish ``value`` under ``key``."""
-        self._values[key] = value
-        self._events.setdefault(key, asyncio.Event()).set()
-
-    async def get(self, key: str, timeout_s: float) -> bytes | None:
-        """Return the value of ``key``, or None if it is not set within ``timeout_s``."""
-        if key not in self._values:
-            event = self._events.setdefault(key, asyncio.Event())
+        worker_id = ray.get_runtime_context().get_worker_id()
+        acked = 0
+        while True:
             try:
-                await asyncio.wait_for(event.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                return None
-        return self._values.get(key)
+                ref = handle.notices.remote(worker_id, acked, _NOTICE_WAIT_S)
+                notices = ray.get(ref, timeout=_NOTICE_WAIT_S + _RPC_GRACE_S)
+            except GetTimeoutError:
+                continue
+            except Exception:
+                break  # the store actor exited, or Ray shut down in this process
+            for seq, group, incarnation, reason in notices:
+                self.on_end(group, incarnation, reason)
+                acked = max(acked, seq)
+        with self._lock:
+            if self._listening is handle:
+                self._listening = None
 
-    async def delete(self, key: str) -> None:
-        """Remove ``key`` if it is present."""
-        self._values.pop(key, None)
-        self._events.pop(key, None)
 
-    async def wait_until_killed(self) -> None:
-        """Never return; a caller learns from the error when this actor is killed."""
-        await asyncio.Event().wait()
+_connection = _Connection()
+
+
+def set_end_handler(handler: EndHandler) -> None:
+    """Install what runs when a driver ends a group this process joined."""
+    _connection.on_end = handler
+
+
+def _call(handle: Any, method: str, *args: Any, group: str, timeout_s: float = _RPC_GRACE_S) -> Any:
+    """Call ``method`` on the store actor and return its result.
+
+    Raises:
+        TimeoutError: no reply within ``timeout_s``.
+        CollectiveError: the store actor is dead or failed.
+
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        return ray.get(getattr(handle, method).remote(*args), timeout=timeout_s)
+    except GetTimeoutError as exc:
+        raise TimeoutError(f"the store actor gave no reply to {method} in {timeout_s}s") from exc
+    except RayActorError as exc:
+        _connection.forget(handle)
+        raise CollectiveError(f"the store actor of group {group!r} died: {exc}") from exc
 
 
 class RayRendezvousStore(RendezvousStore):
-    """A ``RendezvousStore`` backed by a group's store actor."""
+    """A ``RendezvousStore`` on one incarnation of a group in the shared store actor.
 
-    def __init__(self, handle: Any, group_name: str) -> None:
-        """Talk to the store actor ``handle`` of ``group_name``."""
+    Once that incarnation is over (its members left, or the driver destroyed
+    it), every call raises ``CollectiveError`` saying why.
+    """
+
+    def __init__(self, handle: Any, group_name: str, incarnation: str) -> None:
+        """Talk to ``group_name``'s ``incarnation`` in the store actor ``handle``."""
         self._handle = handle
         self._group_name = group_name
+        self._incarnation = incarnation
 
     @property
     def handle(self) -> Any:
         """Return the store actor's handle."""
         return self._handle
 
+    @property
+    def group_name(self) -> str:
+        """Return the group's name."""
+        return self._group_name
+
+    @property
+    def incarnation(self) -> str:
+        """Return the id of the incarnation this store's keys belong to."""
+        return self._incarnation
+
     def call(self, method: str, *args: Any, timeout_s: float = _RPC_GRACE_S) -> Any:
-        """Call ``method`` on the store actor and return its result.
+        """Call ``method`` of the store actor with this group and incarnation first."""
+        args = (self._group_name, self._incarnation, *args)
+        return _call(self._handle, method, *args, group=self._group_name, timeout_s=timeout_s)
 
-        Raises:
-            TimeoutError: no reply within ``timeout_s``.
-            CollectiveError: the store actor is dead or failed.
-
-        """
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        try:
-            return ray.get(getattr(self._handle, method).remote(*args), timeout=timeout_s)
-        except GetTimeoutError as exc:
-            raise TimeoutError(f"store actor gave no reply to {method} in {timeout_s}s") from exc
-        except RayActorError as exc:
-            raise CollectiveError(
-                f"the store actor of group {self._group_name!r} died: {exc}"
-            ) from exc
+    def _gone(self, reason: str) -> CollectiveError:
+        return CollectiveError(f"the rendezvous of group {self._group_name!r} is over: {reason}")
 
     def set(self, key: str, value: bytes) -> None:
         """Publish ``value`` under ``key``."""
-        self.call("set", key, value)
+        gone = self.call("set", key, value)
+        if gone is not None:
+            raise self._gone(gone)
 
     def get(self, key: str, timeout: timedelta) -> bytes:
         """Return the value of ``key``, waiting up to ``timeout`` for it."""
         seconds = timeout.total_seconds()
-        value = self.call("get", key, seconds, timeout_s=seconds + _RPC_GRACE_S)
-        if value is None:
+        status, value = self.call("get", key, seconds, timeout_s=seconds + _RPC_GRACE_S)
+        if status == "timeout":
             raise TimeoutError(f"key {key!r} was not set within {timeout}")
+        if status == "gone":
+            raise self._gone(value)
         return value
 
     def delete(self, key: str) -> None:
@@ -207,56 +214,27 @@ class RayRendezvousStore(RendezvousStore):
         self.call("delete", key)
 
 
-def store_actor_name(group_name: str) -> str:
-    """Return the name of the store actor of ``group_name``."""
-    return STORE_ACTOR_PREFIX + group_name
-
-
-def _actor_class() -> Any:
-    import ray
-
-    return ray.remote(num_cpus=0, max_restarts=0)(StoreActor)
-
-
-def find_store(group_name: str) -> RayRendezvousStore | None:
-    """Return the store of ``group_name`` in this job's namespace, or None."""
-    import ray
-
-    try:
-        handle = ray.get_actor(store_actor_name(group_name))
-    except ValueError:
-        return None
-    return RayRendezvousStore(handle, group_name)
-
-
-def list_stores() -> list[str]:
-    """Return the names of the groups that have a store in this job's namespace."""
-    import ray
-
-    names = ray.util.list_named_actors()
-    return sorted(
-        n.removeprefix(STORE_ACTOR_PREFIX) for n in names if n.startswith(STORE_ACTOR_PREFIX)
+def _held_message(group_name: str, detail: tuple[list[int], str]) -> str:
+    ranks, conflict = detail
+    message = (
+        f"an earlier group named {group_name!r} is still held by ranks {ranks}, "
+        "which have not called destroy_collective_group on it"
     )
+    return f"{message} ({conflict})" if conflict else message
 
 
-def declare_store(group_name: str, declaration: Declaration) -> RayRendezvousStore:
-    """Create the store of a group declared from the driver.
-
-    Raises:
-        CollectiveError: a group of that name already exists.
-
-    """
+def _until_gone(handle: Any, group_name: str, deadline: float) -> None:
+    """Wait until an exiting store actor is gone, then let the caller look again."""
     try:
-        handle = (
-            _actor_class()
-            .options(name=store_actor_name(group_name), lifetime="detached")
-            .remote(group_name, declaration)
+        _call(
+            handle,
+            "wait_until_gone",
+            group=group_name,
+            timeout_s=max(deadline - time.monotonic(), 0.001),
         )
-    except ValueError as exc:
-        raise CollectiveError(f"a group named {group_name!r} already exists") from exc
-    store = RayRendezvousStore(handle, group_name)
-    store.call("declaration")
-    return store
+    except (CollectiveError, TimeoutError):
+        pass
+    _connection.forget(handle)
 
 
 def join_store(
@@ -267,67 +245,134 @@ def join_store(
     timeout: timedelta,
     declared: bool = False,
 ) -> tuple[RayRendezvousStore, str]:
-    """Join the store of ``group_name`` as ``rank``, creating the store if needed.
+    """Join ``group_name`` as ``rank`` in the shared store, creating the store if needed.
 
-    A store whose members have all left is being removed; this waits for it to
-    go and then makes a fresh one, so a group can be re-created under its name.
+    A name still held by an earlier group (members leaving, or a complete group
+    this rank does not fit) is waited for, up to ``timeout``.
 
     Returns:
-        The store and its incarnation id.
+        The group's store and its incarnation id.
 
     Raises:
         CollectiveError: the membership disagrees (rank taken, other world size).
-        TimeoutError: no usable store within ``timeout``.
+        TimeoutError: the name stayed held, or no store answered, within ``timeout``.
+
+    """
+    member = current_member()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no store actor for group {group_name!r} answered in time")
+        handle = _connection.get_or_create()
+        args = (group_name, rank, world_size, backend, member, declared, remaining)
+        try:
+            status, detail = _call(
+                handle, "join", *args, group=group_name, timeout_s=remaining + _RPC_GRACE_S
+            )
+        except CollectiveError:
+            time.sleep(_RETRY_S)
+            continue
+        if status == "ok":
+            _connection.listen(handle)
+            return RayRendezvousStore(handle, group_name, detail), detail
+        if status == "error":
+            raise CollectiveError(f"cannot join group {group_name!r}: {detail}")
+        if status == "held":
+            raise TimeoutError(_held_message(group_name, detail))
+        _until_gone(handle, group_name, deadline)
+
+
+def leave_store(store: RayRendezvousStore, rank: int) -> None:
+    """Leave the group's incarnation; the group ends once no rank holds it. Never raises."""
+    try:
+        store.call("leave", rank, current_member())
+    except (CollectiveError, TimeoutError):
+        pass
+
+
+def declare_store(group_name: str, declaration: Declaration) -> None:
+    """Declare a group in the shared store, creating the store if needed.
+
+    A name whose members are still leaving is waited for, up to the declared timeout.
+
+    Raises:
+        CollectiveError: a live group of that name exists.
+        TimeoutError: the name stayed held within the timeout.
 
     """
     import ray
 
-    actor_id = ray.get_runtime_context().get_actor_id() or "driver"
-    deadline = time.monotonic() + timeout.total_seconds()
+    job_id = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + declaration.timeout.total_seconds()
     while True:
-        handle = (
-            _actor_class()
-            .options(name=store_actor_name(group_name), lifetime="detached", get_if_exists=True)
-            .remote(group_name, None)
-        )
-        store = RayRendezvousStore(handle, group_name)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"the old store of group {group_name!r} was not removed in time")
+        handle = _connection.get_or_create()
+        remaining = max(deadline - time.monotonic(), 0.0)
+        args = (group_name, declaration, job_id, remaining)
         try:
-            status, detail = store.call("join", rank, world_size, backend, actor_id, declared)
+            status, detail = _call(
+                handle, "declare", *args, group=group_name, timeout_s=remaining + _RPC_GRACE_S
+            )
         except CollectiveError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(_RETRY_S)
             continue
         if status == "ok":
-            return store, detail
+            return
         if status == "error":
-            raise CollectiveError(f"cannot join group {group_name!r}: {detail}")
+            raise CollectiveError(detail)
+        if status == "held":
+            raise TimeoutError(_held_message(group_name, detail))
+        _until_gone(handle, group_name, deadline)
+
+
+def end_group(group_name: str) -> str:
+    """End ``group_name`` in every member, from the driver; return the store's answer.
+
+    Returns:
+        ``"ended"``; ``"absent"`` when there is no such group; ``"not_allowed"``
+        when this driver's job neither declared it nor holds one of its members.
+
+    """
+    import ray
+
+    job_id = ray.get_runtime_context().get_job_id()
+    return _query("end", group_name, job_id, default="absent", group=group_name, timeout_s=30.0)
+
+
+def _query(method: str, *args: Any, default: Any, group: str = "", timeout_s: float = 5.0) -> Any:
+    """Ask the store actor, if the namespace has one; ``default`` when it has none.
+
+    A handle found dead is dropped and the actor looked up once more, in case a
+    fresh store took the name since.
+    """
+    for _ in range(2):
+        handle = _connection.find()
+        if handle is None:
+            return default
         try:
-            store.call("wait_until_killed", timeout_s=remaining)
+            return _call(handle, method, *args, group=group, timeout_s=timeout_s)
         except CollectiveError:
             continue
         except TimeoutError:
-            raise TimeoutError(
-                f"an earlier group named {group_name!r} is still held by ranks {detail}, "
-                "which have not called destroy_collective_group on it"
-            ) from None
+            return default
+    return default
 
 
-def leave_store(store: RayRendezvousStore, rank: int) -> None:
-    """Leave the group's store, and remove the store if this was its last member."""
-    try:
-        last = store.call("leave", rank)
-    except CollectiveError:
-        return
-    if last:
-        kill_store(store)
+def declaration(group_name: str) -> Declaration | None:
+    """Return the driver's declaration of ``group_name``, or None."""
+    return _query("declaration", group_name, default=None, group=group_name)
 
 
-def kill_store(store: RayRendezvousStore) -> None:
-    """Remove a store actor now; its name is free when this returns."""
-    import ray
+def list_groups() -> list[str]:
+    """Return the names of the live groups of this namespace."""
+    return _query("names", default=[])
 
-    ray.kill(store.handle, no_restart=True)
+
+def groups_with(actor_ids: list[str], backend: str | None) -> list[str]:
+    """Return the live groups whose members include every one of ``actor_ids``."""
+    return _query("groups_with", actor_ids, backend, default=[])
 
 
 def missing_ranks_detail(store: RayRendezvousStore) -> str:

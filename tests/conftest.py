@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import collective as col
-from collective.rendezvous import STORE_ACTOR_PREFIX
+from collective.rendezvous import STORE_ACTOR_NAME
 
 RAY_TIMEOUT_S = 120
 """Bound on every ray.get in the tests, so that a hang fails instead of stalling CI."""
@@ -34,12 +34,24 @@ decorators; ``Any``, as Ray's types do not follow method calls through actor han
 
 
 def our_named_actors() -> list[str]:
-    """Return the names of this library's named actors, in every namespace."""
-    return [
-        a["name"]
+    """Return the namespaces that hold this library's store actor."""
+    return sorted(
+        a["namespace"]
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(STORE_ACTOR_PREFIX)
-    ]
+        if a["name"] == STORE_ACTOR_NAME
+    )
+
+
+def live_groups() -> list[str]:
+    """Return the groups alive in this library's store actors, in every namespace."""
+    names = []
+    for namespace in our_named_actors():
+        try:
+            store = ray.get_actor(STORE_ACTOR_NAME, namespace=namespace)
+            names += ray.get(store.names.remote(), timeout=RAY_TIMEOUT_S)
+        except (ValueError, ray.exceptions.RayActorError):
+            continue
+    return sorted(names)
 
 
 def run_all(actors: Sequence[Any], fn: Callable[..., Any], *per_actor_args: Sequence[Any]) -> list:
@@ -83,6 +95,6 @@ def members(ray_cluster: None) -> list[Any]:
 
 @pytest.fixture
 def no_leaks(ray_cluster: None) -> Iterator[None]:
-    """Assert that a test leaves none of this library's named actors behind."""
+    """Assert that a test leaves no group alive behind it, in any namespace."""
     yield
-    assert our_named_actors() == []
+    assert live_groups() == []

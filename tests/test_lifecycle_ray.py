@@ -9,7 +9,7 @@ import pytest
 import ray
 
 import collective as col
-from tests.conftest import RAY_TIMEOUT_S, our_named_actors, run_all, unique_name
+from tests.conftest import RAY_TIMEOUT_S, live_groups, run_all, unique_name
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -109,7 +109,7 @@ def test_destroy_and_recreate_twenty_times_from_the_driver(members: list) -> Non
         run_all(pair, _init, [2, 2], [0, 1], [name, name])
         assert run_all(pair, _allreduce_value, [name, name], [cycle, 1.0]) == [cycle + 1.0] * 2
         assert run_all(pair, _destroy, [name, name]) == [[False], [False]]
-        assert our_named_actors() == []
+        assert live_groups() == []
 
 
 def test_destroy_and_recreate_twenty_times_without_driver_sync(members: list) -> None:
@@ -154,9 +154,9 @@ def test_declared_group_reports_rank_before_use_and_builds_lazily(members: list)
 def test_declared_group_destroyed_from_the_driver_before_use(members: list) -> None:
     name = unique_name("unused")
     col.create_collective_group(members[:2], 2, [0, 1], backend="gloo", group_name=name)
-    assert len(our_named_actors()) == 1
+    assert len(live_groups()) == 1
     col.destroy_collective_group(name)
-    assert our_named_actors() == []
+    assert live_groups() == []
 
     def query() -> int:
         return col.get_rank(name)
@@ -168,7 +168,7 @@ def test_destroy_from_the_driver_removes_the_store_of_a_live_group(members: list
     name = unique_name("live")
     run_all(members[:2], _init, [2, 2], [0, 1], [name, name])
     col.destroy_collective_group(name)
-    assert our_named_actors() == []
+    assert live_groups() == []
     run_all(members[:2], _destroy, [name, name])
 
 
