@@ -388,9 +388,11 @@ class StoreActor:
                 found.append(name)
         return found
 
-    async def arrivals(self, name: str, incarnation: str) -> tuple[int | None, list[int]]:
-        """Return the world size and the ranks that have joined, in order."""
-        world = self._world(name, incarnation)
+    async def arrivals(self, name: str, incarnation: str = "") -> tuple[int | None, list[int]]:
+        """Return the world size and the ranks that joined ``incarnation`` ("": the current)."""
+        group = self._groups.get(name)
+        world = group.current if group is not None and not incarnation else None
+        world = world or self._world(name, incarnation)
         return (world.world_size, sorted(world.joined)) if world else (None, [])
 
     # --- notices to member processes -------------------------------------------------------

@@ -17,9 +17,8 @@ import pytest
 import ray
 
 import collective as col
-from collective.rendezvous import store_actor_name
 from collective.types import AllToAllOptions
-from tests.conftest import our_named_actors, run_all, unique_name
+from tests.conftest import live_groups, run_all, unique_name
 
 OP_TIMEOUT = timedelta(seconds=20)
 
@@ -56,7 +55,7 @@ def trio(members: list) -> Iterator[tuple[list, str]]:
     run_all(actors, _init, [3] * 3, range(3), [name] * 3)
     yield actors, name
     run_all(actors, _destroy, [name] * 3)
-    assert our_named_actors() == []
+    assert live_groups() == []
 
 
 def _shape(rank: int, name: str) -> None:
@@ -154,7 +153,7 @@ def test_declared_group_keeps_check_args(members: list) -> None:
     finally:
         run_all(actors, _destroy, [name] * 2)
         col.destroy_collective_group(name)
-    assert store_actor_name(name) not in our_named_actors()
+    assert name not in live_groups()
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
@@ -185,7 +184,7 @@ def test_without_the_check_gloo_misses_a_reduce_op_mismatch(members: list) -> No
     results = run_all(members[:2], _unchecked, [0, 1], [name, name], ["gloo"] * 2)
     assert results[0] == results[1]
     assert results[0] not in ([2.0] * 4, [3.0] * 4)
-    assert store_actor_name(name) not in our_named_actors()
+    assert name not in live_groups()
 
 
 def test_without_the_check_shared_memory_still_catches_a_reduce_op_mismatch(
@@ -198,4 +197,4 @@ def test_without_the_check_shared_memory_still_catches_a_reduce_op_mismatch(
         assert isinstance(message, str), message
         assert "different ops" in message or "aborted" in message, message
     assert any("check_args=True" in m for m in results), results
-    assert store_actor_name(name) not in our_named_actors()
+    assert name not in live_groups()

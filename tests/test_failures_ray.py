@@ -16,13 +16,13 @@ import numpy as np
 import ray
 
 import collective as col
-from collective.incarnation import IncarnationStore
-from collective.rendezvous import find_store, store_actor_name
+from collective.lifecycle import group_entry
+from collective.rendezvous import STORE_ACTOR_NAME, RayRendezvousStore
 from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,
     allreduce_until_failure,
-    our_named_actors,
+    live_groups,
     run_all,
     unique_name,
 )
@@ -92,14 +92,14 @@ def test_killed_member_breaks_the_group_fast_and_it_can_be_rebuilt(ray_cluster: 
 
     # Destroy works and removes the store, though the dead rank never leaves.
     assert run_all(survivors, _destroy, [name] * 3) == [False] * 3
-    assert our_named_actors() == []
+    assert live_groups() == []
 
     # Elastic recovery: the same name with a replacement for the dead actor.
     group = [*survivors, _fresh_members(1)[0]]
     assert run_all(group, _init, [4] * 4, range(4), [name] * 4) == [0, 1, 2, 3]
     assert run_all(group, _allreduce, [name] * 4, [1.0, 2.0, 3.0, 4.0]) == [10.0] * 4
     assert run_all(group, _destroy, [name] * 4) == [False] * 4
-    assert our_named_actors() == []
+    assert live_groups() == []
     for actor in group:
         ray.kill(actor)
 
@@ -140,13 +140,13 @@ def test_store_actor_killed_during_init(members: list, no_leaks: None) -> None:
     refs = [members[r].run.remote(_init_outcome, 3, r, name, GROUP_TIMEOUT) for r in (0, 1)]
     deadline = time.monotonic() + 30
     while True:
-        store = find_store(name)
-        if store is not None and len(store.call("arrivals")[1]) == 2:
+        store = ray.get_actor(STORE_ACTOR_NAME) if STORE_ACTOR_NAME in _named() else None
+        if store is not None and len(ray.get(store.arrivals.remote(name), timeout=60)[1]) == 2:
             break
         assert time.monotonic() < deadline, "ranks 0 and 1 never joined"
         time.sleep(0.1)
     killed_at = time.monotonic()
-    ray.kill(ray.get_actor(store_actor_name(name)), no_restart=True)
+    ray.kill(store, no_restart=True)
     outcomes = ray.get(refs, timeout=RAY_TIMEOUT_S)
     noticed = time.monotonic() - killed_at
     for kind, message, _, exists in outcomes:
@@ -157,33 +157,34 @@ def test_store_actor_killed_during_init(members: list, no_leaks: None) -> None:
     print(f"\nstore death noticed by both waiting ranks within {noticed:.3f} s")
 
 
-def _old_incarnation(name: str, rank: int, world_size: int) -> str:
-    """Return the incarnation of the group this member holds, as its store reports it."""
-    store = find_store(name)
-    assert store is not None
-    status, incarnation = store.call(
-        "join", rank, world_size, "gloo", ray.get_runtime_context().get_actor_id()
-    )
-    assert status == "ok", incarnation
-    return incarnation
+def _named() -> list[str]:
+    return ray.util.list_named_actors()
+
+
+def _old_incarnation(name: str) -> str:
+    """Return the incarnation of the group this member holds."""
+    return group_entry(name)[1].incarnation
 
 
 def _stale_member_meddles(name: str, incarnation: str) -> dict[str, Any]:
-    """Use the old incarnation's keys on whatever store now bears the name."""
-    store = find_store(name)
-    assert store is not None
-    stale = IncarnationStore(store, incarnation)
-    for rank in range(2):
-        stale.set(f"abort/{rank}", b"stale member says the group failed")
-    stale.set("gloo/address", b"10.255.255.1:1")
-    found: dict[str, Any] = {}
+    """Use the old incarnation's keys in the store that now hosts the name's new group."""
+    stale = RayRendezvousStore(ray.get_actor(STORE_ACTOR_NAME), name, incarnation)
+    found: dict[str, Any] = {"writes": []}
+    forged = {"abort/0": b"stale member says the group failed", "gloo/address": b"10.0.0.1:1"}
+    for key, value in forged.items():
+        try:
+            stale.set(key, value)
+            found["writes"].append("written")
+        except col.CollectiveError as exc:
+            found["writes"].append(str(exc))
     try:
         stale.get("gloo/arrived/0", timedelta(seconds=1))
         found["read_new_keys"] = True
-    except TimeoutError:
+    except (TimeoutError, col.CollectiveError):
         found["read_new_keys"] = False
-    op_time, kind, _ = _timed_op_with_timeout(name)
+    op_time, kind, message = _timed_op_with_timeout(name)
     found["old_group_op"] = kind
+    found["old_group_op_message"] = message
     found["old_group_op_s"] = op_time
     col.destroy_collective_group(name)
     try:
@@ -211,15 +212,17 @@ def test_stale_incarnation_can_neither_join_nor_corrupt_the_new_group(
     a, stale, c = members[:3]
     name = unique_name("stale")
     ray.get([a.run.remote(_init, 2, 0, name), stale.run.remote(_init, 2, 1, name)], timeout=60)
-    old = ray.get(stale.run.remote(_old_incarnation, name, 1, 2), timeout=RAY_TIMEOUT_S)
+    old = ray.get(stale.run.remote(_old_incarnation, name), timeout=RAY_TIMEOUT_S)
     col.destroy_collective_group(name)
     assert ray.get(a.run.remote(_destroy, name), timeout=RAY_TIMEOUT_S) is False
     fresh = [a, c]
     assert run_all(fresh, _init, [2, 2], [0, 1], [name, name]) == [0, 1]
     try:
         found = ray.get(stale.run.remote(_stale_member_meddles, name, old), timeout=RAY_TIMEOUT_S)
+        assert all("is over" in w for w in found["writes"]), found["writes"]
         assert found["read_new_keys"] is False
-        assert found["old_group_op"] in ("CollectiveError", "CollectiveTimeoutError")
+        assert found["old_group_op"] == "GroupNotFoundError", found
+        assert "destroyed by the driver" in found["old_group_op_message"]
         assert "already taken" in found["rejoin"], found["rejoin"]
         assert run_all(fresh, _allreduce, [name, name], [1.0, 2.0]) == [3.0, 3.0]
         assert ray.get(stale.run.remote(col.is_group_initialized, name), timeout=60) is False

@@ -13,7 +13,7 @@ import collective as col
 from collective.groups.gloo import GlooGroup
 from collective.types import AllReduceOptions
 from collective.work import Work
-from tests.conftest import RAY_TIMEOUT_S, our_named_actors, run_all, unique_name
+from tests.conftest import RAY_TIMEOUT_S, live_groups, run_all, unique_name
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -237,7 +237,7 @@ def test_list_get_and_destroy_all_groups(members: list) -> None:
     assert col.get_collective_groups(members[1:2], backend="nccl") == []
     assert run_all(pair, _local_groups) == [[a], [a]]
     col.destroy_all_collective_groups()
-    assert our_named_actors() == []
+    assert live_groups() == []
     assert a not in col.list_collective_groups()
     run_all(pair, _destroy, [a] * 2)
     assert run_all(pair, _local_groups) == [[], []]

@@ -21,7 +21,7 @@ from collective.groups.shm.arena import NAME_PREFIX, SHM_DIR
 from tests.conftest import (
     Member,
     allreduce_until_failure,
-    our_named_actors,
+    live_groups,
     run_all,
     unique_name,
 )
@@ -84,7 +84,7 @@ def test_many_cycles_leave_nothing_behind(members: list, no_leaks: None) -> None
             counts.append([u["threads"] for u in run_all(actors, _usage)])
     elapsed = time.monotonic() - start
     after = run_all(actors, _usage)
-    assert our_named_actors() == []
+    assert live_groups() == []
     assert _segments() == segments
     for rank, (b, a) in enumerate(zip(before, after, strict=True)):
         growth = a["rss_mb"] - b["rss_mb"]
