@@ -149,7 +149,12 @@ def _call(handle: Any, method: str, *args: Any, group: str, timeout_s: float = _
     from ray.exceptions import GetTimeoutError, RayActorError
 
     try:
-        return ray.get(getattr(handle, method).remote(*args), timeout=timeout_s)
+        ref = getattr(handle, method).remote(*args)
+    except Exception as exc:  # Ray refuses to submit to an actor it knows is gone.
+        _connection.forget(handle)
+        raise CollectiveError(f"the store actor of group {group!r} died: {exc}") from exc
+    try:
+        return ray.get(ref, timeout=timeout_s)
     except GetTimeoutError as exc:
         raise TimeoutError(f"the store actor gave no reply to {method} in {timeout_s}s") from exc
     except RayActorError as exc:

@@ -1,10 +1,9 @@
 """The shared store actor: every group's rendezvous, in one named detached actor per namespace.
 
-Each group has its own state inside the actor: its declaration, the jobs whose
-driver may end it, and its current incarnation, which holds the ranks that
-joined, the keys and their events. Every method is a coroutine, so a rank
-waiting on a key never blocks another; the actor's one event loop makes each
-method's checks and changes atomic between awaits.
+Each group has its own state inside the actor (``collective.store_state``).
+Every method is a coroutine, so a rank waiting on a key never blocks another;
+the actor's one event loop makes each method's checks and changes atomic
+between awaits.
 
 The actor learns of dead members from Ray's GCS: at every join and leave for
 the group at hand, and once a second for all groups (``SWEEP_S``). A dead rank
@@ -16,16 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from collective import liveness
 from collective.groups.watch import abort_key
 from collective.liveness import Member
-from collective.types import GroupOptions
+from collective.store_state import (
+    Declaration,
+    GroupState,
+    Incarnation,
+    Listener,
+    wait_event,
+)
+
+__all__ = ["ACK_WAIT_S", "IDLE_GRACE_S", "STORE_ACTOR_NAME", "SWEEP_S", "Declaration", "StoreActor"]
 
 STORE_ACTOR_NAME = "collective.rendezvous"
 """The name of the shared store actor in each namespace."""
@@ -42,73 +46,8 @@ ACK_WAIT_S = 2.0
 _GONE_KEPT = 4096
 """How many ended incarnations keep the reason they ended, for the error messages."""
 
-
-@dataclass(frozen=True)
-class Declaration:
-    """A group declared from the driver: who is in it, and how it is built."""
-
-    world_size: int
-    backend: str
-    ranks: dict[str, int]
-    timeout: timedelta
-    check_args: bool = False
-    options: GroupOptions = field(default_factory=GroupOptions)
-
-
-@dataclass
-class _Incarnation:
-    """One life of a group: who joined as which rank, and the keys they set."""
-
-    world_size: int | None = None
-    backend: str | None = None
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    joined: dict[int, Member] = field(default_factory=dict)
-    left: set[int] = field(default_factory=set)
-    dead: set[int] = field(default_factory=set)
-    values: dict[str, bytes] = field(default_factory=dict)
-    events: dict[str, asyncio.Event] = field(default_factory=dict)
-    over: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: str = ""
-
-    def holders(self) -> dict[int, Member]:
-        """Return the ranks still held: joined, neither left nor dead."""
-        gone = self.left | self.dead
-        return {r: m for r, m in self.joined.items() if r not in gone}
-
-    def describe(self, conflict: str = "") -> tuple[list[int], str]:
-        """Return the held ranks and what keeps a joining rank out, for a "held" reply."""
-        return sorted(self.holders()), conflict
-
-    def end(self, reason: str) -> None:
-        """Wake everyone waiting on this incarnation; it is over."""
-        self.reason = reason
-        self.over.set()
-        for event in self.events.values():
-            event.set()
-
-
-@dataclass
-class _Group:
-    declaration: Declaration | None
-    jobs: set[str]
-    current: _Incarnation
-    finished: set[str] = field(default_factory=set)
-    """Declared actors that left the group after joining it, or died."""
-
-    def retired(self) -> bool:
-        """Return whether a declared group is done: each declared actor left or died."""
-        return self.declaration is None or set(self.declaration.ranks) <= self.finished
-
-
-@dataclass
-class _Listener:
-    """The notices queued for one member process, and how far it has taken them."""
-
-    notices: list[tuple[int, str, str, str]] = field(default_factory=list)
-    seq: int = 0
-    acked: int = 0
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    took: asyncio.Condition = field(default_factory=asyncio.Condition)
+_LISTENER_QUIET_S = 300.0
+"""A member process that has not listened for this long is forgotten (it is gone)."""
 
 
 class StoreActor:
@@ -120,9 +59,9 @@ class StoreActor:
 
     def __init__(self) -> None:
         """Start with no groups."""
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, GroupState] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()
-        self._listeners: dict[str, _Listener] = {}
+        self._listeners: dict[str, Listener] = {}
         self._idle_since = time.monotonic()
         self._exiting = False
         self._sweeper: asyncio.Task[None] | None = None
@@ -144,12 +83,11 @@ class StoreActor:
         while not self._exiting:
             group = await self._settled(name)
             if group is None:
-                world = _Incarnation(declaration.world_size, declaration.backend)
-                self._groups[name] = _Group(declaration, {job_id}, world)
+                self._groups[name] = GroupState.declared(declaration, job_id)
                 return "ok", None
-            if not (group.current.left or group.current.dead):
+            if not group.current.closing():
                 return "error", f"a group named {name!r} already exists"
-            if not await _wait(group.current.over, deadline):
+            if not await wait_event(group.current.over, deadline):
                 return "held", group.current.describe()
         return "retry", None
 
@@ -181,78 +119,32 @@ class StoreActor:
             if group is None:
                 if declared:
                     return "error", "it is no longer declared: the driver destroyed it"
-                group = self._groups[name] = _Group(None, set(), _Incarnation())
-            verdict, detail = self._admit(group, rank, world_size, backend, member, declared)
+                group = self._groups[name] = GroupState(None, set(), Incarnation())
+            verdict, detail = group.admit(rank, world_size, backend, member, declared)
             if verdict != "wait":
                 return verdict, detail
-            if not await _wait(group.current.over, deadline):
+            if not await wait_event(group.current.over, deadline):
                 return "held", detail
         return "retry", None
-
-    def _admit(
-        self,
-        group: _Group,
-        rank: int,
-        world_size: int,
-        backend: str,
-        member: Member,
-        declared: bool,
-    ) -> tuple[str, Any]:
-        world, declaration = group.current, group.declaration
-        if declaration is not None and not declared:
-            return "error", (
-                "it was declared from the driver; its members build it on first use "
-                "and must not call init_collective_group for it"
-            )
-        if declaration is None and declared:
-            return "error", "it is no longer declared; the name now holds a group made by init"
-        if declaration is not None:
-            mine = declaration.ranks.get(member.actor_id or "")
-            if mine is None:
-                return "error", "this actor is not among the actors the group was declared with"
-            if mine != rank:
-                return "error", f"this actor was declared as rank {mine}, but asked as rank {rank}"
-        if world.left or world.dead:
-            return "wait", world.describe()
-        conflict = ""
-        if world.world_size is not None and (world.world_size, world.backend) != (
-            world_size,
-            backend,
-        ):
-            conflict = (
-                f"rank {rank} asked for world_size={world_size}, backend={backend!r}, but the "
-                f"group has world_size={world.world_size}, backend={world.backend!r}"
-            )
-        elif rank in world.joined and world.joined[rank].key != member.key:
-            conflict = f"rank {rank} was already taken by another actor"
-        if conflict:
-            complete = len(world.joined) == world.world_size
-            return ("wait", world.describe(conflict)) if complete else ("error", conflict)
-        world.world_size, world.backend = world_size, backend
-        world.joined[rank] = member
-        group.jobs.add(member.job_id)
-        group.finished.discard(member.key)
-        return "ok", world.id
 
     async def leave(self, name: str, incarnation: str, rank: int, member: Member) -> None:
         """Record that ``member`` has left ``rank``; the group ends when no rank is held."""
         group = self._groups.get(name)
         if group is None or group.current.id != incarnation:
             return
-        world = group.current
-        if world.holders().get(rank) != member:
+        if group.current.holders().get(rank) != member:
             return
-        world.left.add(rank)
-        if group.declaration is not None:
-            group.finished.add(member.key)
+        group.current.left.add(rank)
+        group.finished.add(member.key)
         await self._settled(name)
 
     async def end(self, name: str, job_id: str) -> str:
         """End ``name`` for every member, at the request of the driver of ``job_id``.
 
-        Writes the reason under every held rank's abort key, queues a notice for
-        each member process, removes the group, and waits up to ``ACK_WAIT_S``
-        for the members to take the notice.
+        Writes the reason under every held rank's abort key (a FailureWatch
+        records it and fails the rank's pending ops), queues a notice for each
+        member process, removes the group, and waits up to ``ACK_WAIT_S`` for
+        the members to take the notice.
 
         Returns:
             ``"ended"``, ``"absent"``, or ``"not_allowed"`` when the driver's job
@@ -268,42 +160,29 @@ class StoreActor:
         reason = f"group {name!r} was destroyed by the driver"
         held = world.holders()
         for rank in held:
-            _set(world, abort_key(rank), reason.encode())
-        queued = {
-            m.worker_id: self._notify(m.worker_id, name, world.id, reason) for m in held.values()
-        }
+            world.set(abort_key(rank), reason.encode())
+        queued = []
+        for member in held.values():
+            listener = self._listeners.setdefault(member.worker_id, Listener())
+            queued.append((listener, listener.push(name, world.id, reason)))
         self._end(name, group, reason, remove=True)
         deadline = time.monotonic() + ACK_WAIT_S
-        for worker_id, seq in queued.items():
-            listener = self._listeners[worker_id]
-            async with listener.took:
-                try:
-                    await asyncio.wait_for(
-                        listener.took.wait_for(lambda lis=listener, s=seq: lis.acked >= s),
-                        max(deadline - time.monotonic(), 0.0),
-                    )
-                except asyncio.TimeoutError:
-                    pass
+        for listener, seq in queued:
+            await listener.taken(seq, deadline)
         return "ended"
 
-    async def _settled(self, name: str) -> _Group | None:
+    async def _settled(self, name: str) -> GroupState | None:
         """Mark the dead members of ``name``, end it if nobody holds it, and return it."""
         group = self._groups.get(name)
         if group is None:
             return None
         held = group.current.holders()
         if held:
-            self._mark_dead(group, await liveness.dead_members(held.values()))
+            group.mark_dead(await liveness.dead_members(held.values()))
         self._settle(name, group)
         return self._groups.get(name)
 
-    def _mark_dead(self, group: _Group, dead: set[str]) -> None:
-        for rank, holder in group.current.holders().items():
-            if holder.key in dead:
-                group.current.dead.add(rank)
-                group.finished.add(holder.key)
-
-    def _settle(self, name: str, group: _Group) -> None:
+    def _settle(self, name: str, group: GroupState) -> None:
         """End the current incarnation of ``name`` if it was joined and no rank is held."""
         world = group.current
         if self._groups.get(name) is not group:
@@ -313,7 +192,7 @@ class StoreActor:
         elif not world.joined and group.declaration is not None and group.retired():
             self._end(name, group, f"every actor group {name!r} was declared with died", True)
 
-    def _end(self, name: str, group: _Group, reason: str, remove: bool = False) -> None:
+    def _end(self, name: str, group: GroupState, reason: str, remove: bool = False) -> None:
         """End the current incarnation; a declared group not yet done starts a fresh one."""
         world = group.current
         self._gone[world.id] = reason
@@ -325,11 +204,11 @@ class StoreActor:
             if not self._groups:
                 self._idle_since = time.monotonic()
         else:
-            group.current = _Incarnation(world.world_size, world.backend)
+            group.current = Incarnation(world.world_size, world.backend)
 
     # --- keys ------------------------------------------------------------------------------
 
-    def _world(self, name: str, incarnation: str) -> _Incarnation | None:
+    def _world(self, name: str, incarnation: str) -> Incarnation | None:
         group = self._groups.get(name)
         return group.current if group is not None and group.current.id == incarnation else None
 
@@ -341,7 +220,7 @@ class StoreActor:
         world = self._world(name, incarnation)
         if world is None:
             return self._gone_reason(name, incarnation)
-        _set(world, key, value)
+        world.set(key, value)
         return None
 
     async def get(
@@ -352,7 +231,7 @@ class StoreActor:
         deadline = time.monotonic() + timeout_s
         while world is not None and key not in world.values and not world.reason:
             event = world.events.setdefault(key, asyncio.Event())
-            if not await _wait(event, deadline):
+            if not await wait_event(event, deadline):
                 return "timeout", None
         if world is not None and key in world.values:
             return "ok", world.values[key]
@@ -397,13 +276,6 @@ class StoreActor:
 
     # --- notices to member processes -------------------------------------------------------
 
-    def _notify(self, worker_id: str, name: str, incarnation: str, reason: str) -> int:
-        listener = self._listeners.setdefault(worker_id, _Listener())
-        listener.seq += 1
-        listener.notices.append((listener.seq, name, incarnation, reason))
-        listener.arrived.set()
-        return listener.seq
-
     async def notices(
         self, worker_id: str, acked: int, wait_s: float
     ) -> list[tuple[int, str, str, str]]:
@@ -413,16 +285,17 @@ class StoreActor:
         incarnation. Passing the highest ``seq`` taken in the next call
         acknowledges it.
         """
-        listener = self._listeners.setdefault(worker_id, _Listener())
-        if acked > listener.acked:
-            listener.acked = acked
-            listener.notices = [n for n in listener.notices if n[0] > acked]
-            async with listener.took:
-                listener.took.notify_all()
-        if not listener.notices:
-            listener.arrived.clear()
-            await _wait(listener.arrived, time.monotonic() + wait_s)
-        return list(listener.notices)
+        listener = self._listeners.setdefault(worker_id, Listener())
+        listener.calls += 1
+        try:
+            await listener.ack(acked)
+            if not listener.notices:
+                listener.arrived.clear()
+                await wait_event(listener.arrived, time.monotonic() + wait_s)
+            return list(listener.notices)
+        finally:
+            listener.calls -= 1
+            listener.last_seen = time.monotonic()
 
     # --- lifetime of the actor -------------------------------------------------------------
 
@@ -444,7 +317,7 @@ class StoreActor:
                 return
 
     async def _sweep(self) -> None:
-        """End the groups whose members are all dead, declared or joined."""
+        """End the groups whose members are all dead, declared or joined; forget quiet listeners."""
         held = [m for g in self._groups.values() for m in g.current.holders().values()]
         dead = await liveness.dead_members(held)
         declared = {
@@ -455,32 +328,15 @@ class StoreActor:
         }
         dead |= await liveness.dead_actors(declared)
         for name, group in list(self._groups.items()):
-            self._mark_dead(group, dead)
-            if group.declaration is not None:
-                group.finished |= dead & set(group.declaration.ranks)
+            group.mark_dead(dead)
             self._settle(name, group)
+        for worker_id, listener in list(self._listeners.items()):
+            if listener.quiet(_LISTENER_QUIET_S):
+                del self._listeners[worker_id]
 
     def _exit(self) -> None:
         """Exit this actor: nothing is hosted, and new callers make a fresh one."""
         import ray
 
         self._exiting = True
-        self._listeners.clear()
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-
-
-def _set(world: _Incarnation, key: str, value: bytes) -> None:
-    world.values[key] = value
-    world.events.setdefault(key, asyncio.Event()).set()
-
-
-async def _wait(event: asyncio.Event, deadline: float) -> bool:
-    """Wait for ``event`` until ``deadline`` (monotonic); return whether it was set."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return event.is_set()
-    try:
-        await asyncio.wait_for(event.wait(), left)
-    except asyncio.TimeoutError:
-        return False
-    return True
