@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 _QUERY_TIMEOUT_S = 5.0
 """The longest one GCS query may take."""
@@ -41,26 +42,35 @@ def current_member() -> Member:
     return Member(context.get_actor_id(), context.get_worker_id(), context.get_job_id())
 
 
-def _gcs() -> object:
+def _gcs() -> Any:
+    """Return this worker's asynchronous GCS client (Ray-private)."""
     import ray
 
-    return ray._private.worker.global_worker.gcs_client
+    worker: Any = ray._private.worker.global_worker
+    return worker.gcs_client
+
+
+def _dead_state() -> int:
+    """Return the GCS actor table's DEAD state (Ray-private)."""
+    from ray.core.generated import gcs_pb2
+
+    table: Any = gcs_pb2
+    return int(table.ActorTableData.DEAD)
 
 
 async def _actor_dead(actor_id: str) -> bool:
     from ray._raylet import ActorID
-    from ray.core.generated import gcs_pb2
 
-    infos = await _gcs().async_get_all_actor_info(  # type: ignore[attr-defined]
+    infos = await _gcs().async_get_all_actor_info(
         actor_id=ActorID.from_hex(actor_id), timeout=_QUERY_TIMEOUT_S
     )
     if not infos:
         return True
-    return all(info.state == gcs_pb2.ActorTableData.DEAD for info in infos.values())
+    return all(info.state == _dead_state() for info in infos.values())
 
 
 async def _job_dead(job_id: str) -> bool:
-    jobs = await _gcs().async_get_all_job_info(  # type: ignore[attr-defined]
+    jobs = await _gcs().async_get_all_job_info(
         job_or_submission_id=job_id,
         skip_submission_job_info_field=True,
         skip_is_running_tasks_field=True,

@@ -258,11 +258,12 @@ class StoreActor:
         """Return the groups whose members, declared or joined, include all ``actor_ids``."""
         found = []
         for name, group in sorted(self._groups.items()):
+            members: set[str | None]
             if group.declaration is not None:
                 members, kind = set(group.declaration.ranks), group.declaration.backend
             else:
                 members = {m.actor_id for m in group.current.joined.values()}
-                kind = group.current.backend
+                kind = group.current.backend or ""
             if set(actor_ids) <= members and backend in (None, kind):
                 found.append(name)
         return found
