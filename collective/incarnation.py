@@ -1,10 +1,11 @@
 """IncarnationStore: scope every rendezvous key to one incarnation of a group.
 
-A group destroyed and created again under its name gets a new incarnation id
-from its store actor. Every key its ranks write or read carries that id, so a
-rank still holding an older incarnation can neither read the new one's
-addresses nor write into its keys: its reads time out and its writes land
-where nobody looks.
+For stores that do not know incarnations themselves, such as a torch TCPStore
+shared by successive groups of one name without Ray. Every key the ranks write or
+read carries the id, so a rank still holding an older incarnation can neither
+read the new one's addresses nor write into its keys: its reads time out and its
+writes land where nobody looks. (The Ray store actor keeps each incarnation apart
+itself, and refuses an old one's calls; see ``collective.rendezvous``.)
 """
 
 from __future__ import annotations

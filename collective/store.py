@@ -1,8 +1,8 @@
 """The rendezvous store interface, its TCPStore and prefixed views, and the meeting barrier.
 
 Groups reach their rendezvous only through ``RendezvousStore``: set, get with a
-timeout, delete. In Ray it is backed by the group's store actor
-(``collective.rendezvous``); in a plain process by torch's TCPStore.
+timeout, delete. In Ray it is backed by the group's state in the namespace's shared
+store actor (``collective.rendezvous``); in a plain process by torch's TCPStore.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,
     allreduce_until_failure,
-    our_named_actors,
+    live_groups,
     run_all,
     unique_name,
 )
@@ -146,6 +146,6 @@ def test_group_spans_two_nodes_and_survives_losing_one(cluster: tuple[Cluster, A
     print(f"\nnode loss noticed after {[round(o[0] - removed_at, 3) for o in outcomes]} s")
     assert run_all(actors[:2], _destroy, [name] * 2) == [False, False]
     deadline = time.monotonic() + 30
-    while our_named_actors() and time.monotonic() < deadline:
+    while live_groups() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert our_named_actors() == []
+    assert live_groups() == []

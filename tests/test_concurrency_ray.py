@@ -13,7 +13,7 @@ import pytest
 import ray
 
 import collective as col
-from tests.conftest import RAY_TIMEOUT_S, Member, our_named_actors, run_all, unique_name
+from tests.conftest import RAY_TIMEOUT_S, Member, live_groups, run_all, unique_name
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -139,4 +139,4 @@ def test_init_racing_declare_exactly_one_wins(
         run_all(actors, _destroy, [name] * 2)
     winner = "declare" if declared == "ok" else "init"
     print(f"\ninit after {init_delay_s}s, declare after {declare_delay_s}s: {winner} won")
-    assert our_named_actors() == []
+    assert live_groups() == []

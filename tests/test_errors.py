@@ -21,7 +21,7 @@ import torch
 from ray.exceptions import RayTaskError
 
 import collective as col
-from tests.conftest import RAY_TIMEOUT_S, our_named_actors, run_all, unique_name
+from tests.conftest import RAY_TIMEOUT_S, live_groups, run_all, unique_name
 
 OP_TIMEOUT = timedelta(seconds=2)
 SLACK_S = 5.0
@@ -171,7 +171,7 @@ def test_declare_rejects_bad_argument(case: str, members: list, no_leaks: None) 
         )
     assert type(info.value) is error_type
     assert _names(str(info.value), argument), str(info.value)
-    assert our_named_actors() == []
+    assert live_groups() == []
     assert ray.get(members[0].run.remote(col.get_rank, name), timeout=RAY_TIMEOUT_S) == -1
 
 
@@ -197,7 +197,7 @@ def test_declare_an_existing_name(members: list, no_leaks: None) -> None:
         assert got == [(0, 2), (1, 2)]
     finally:
         col.destroy_collective_group(name)
-    assert our_named_actors() == []
+    assert live_groups() == []
 
 
 # ---------------------------------------------------------------------------- ops
@@ -490,7 +490,7 @@ def pair(members: list) -> Iterator[tuple[list, str]]:
     assert run_all(actors, _init, [2, 2], [0, 1], [name, name]) == [0, 1]
     yield actors, name
     assert run_all(actors, _destroy, [name, name]) == [False, False]
-    assert our_named_actors() == []
+    assert live_groups() == []
 
 
 class TestOpArgumentErrors:
