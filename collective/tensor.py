@@ -37,13 +37,14 @@ _NAMES_BY_NUM: dict[int, str] = {}
 a new string on every call (microseconds), ``dtype.num`` does not."""
 
 
-def dtype_name(dtype: np.dtype) -> str:
+def dtype_name(dtype: Any) -> str:
     """Return the name of the numpy ``dtype``, e.g. ``"float32"``; cheap for ``DTYPES``."""
-    name = _NAMES_BY_NUM.get(dtype.num)
+    num = getattr(dtype, "num", None)
+    name = _NAMES_BY_NUM.get(num) if num is not None else None
     if name is None:
-        name = dtype.name
-        if name in DTYPES:
-            _NAMES_BY_NUM[dtype.num] = name
+        name = str(dtype.name)
+        if num is not None and name in DTYPES:
+            _NAMES_BY_NUM[num] = name
     return name
 
 
