@@ -165,7 +165,9 @@ def serve(pipe: Any, world_size: int, rank: int) -> None:
         del segment
 
 
-def _run(segment: mmap.mmap, op: str, size: int, plan: Any, n: int, rank: int) -> Any:
+def _run(
+    segment: mmap.mmap, op: str, size: int, plan: workloads.Plan, n: int, rank: int
+) -> tuple[list[float], int]:
     """Time ``op`` through ``segment`` by ``plan``; return the times and the wrong count."""
     piece, slot = layout(op, size, n)
     meet = Meeting(np.frombuffer(segment, np.int64, CONTROL_BYTES // 8), rank, n)
