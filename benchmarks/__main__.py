@@ -1,13 +1,15 @@
 """Run the benchmark: every op x size x world size x implementation, alternating.
 
-Usage: python -m benchmarks [--quick] [--sizes 4K,1M] [--ops allreduce,allgather]
-       [--world-sizes 2,4] [--impls collective,torch_gloo,ray_collective,object_store]
-       [--iters N] [--warmup N] [--json PATH] [--plot PATH]
+Usage: python -m benchmarks [--quick] [--sizes 8,4K,1M] [--ops allreduce,allgather]
+       [--world-sizes 2,4] [--impls collective,collective_gloo,torch_gloo,...]
+       [--iters N] [--warmup N] [--batch N] [--probe-ops N] [--json PATH] [--plot PATH]
+       [--markdown PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -16,18 +18,24 @@ from typing import Any
 
 import ray
 
-from benchmarks import peers, report, workloads
+from benchmarks import goals, peers, processes, report, workloads
+from benchmarks.report import COPY, IMPLS, OURS, OURS_GLOO, RAY, STORE, TORCH
 
-IMPLS = ("collective", "torch_gloo", "ray_collective", "object_store")
-FULL_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
-QUICK_SIZES = "4K,64K,1M"
+FULL_SIZES = "8,64,1K,4K,16K,64K,256K,1M,4M,16M,64M,256M"
+QUICK_SIZES = "8,64K,1M"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+PROBE_SIZE = 8
+PROBED = (OURS, OURS_GLOO, TORCH, RAY, COPY)
+"""The implementations the 8-byte allreduce latency probe runs."""
 
 
 def parse_size(text: str) -> int:
-    """Return ``text`` (``4096``, ``4K``, ``1M``) in bytes; a multiple of 4 per rank chunk."""
+    """Return ``text`` (``8``, ``4K``, ``1M``, ``64KB``) in bytes."""
     text = text.strip().upper().removesuffix("B")
-    size = int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+    try:
+        size = int(text[:-1]) * UNITS[text[-1]] if text[-1:] in UNITS else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes must be like 8, 4K or 1M, got {text!r}") from None
     if size <= 0:
         raise argparse.ArgumentTypeError(f"sizes must be positive, got {text}")
     return size
@@ -41,16 +49,25 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ops", default=",".join(workloads.OPS))
     parser.add_argument("--world-sizes", default=None, help="comma-separated (default 2,4)")
     parser.add_argument("--impls", default=",".join(IMPLS))
-    parser.add_argument("--iters", type=int, default=None, help="timed iterations, at most")
-    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=None, help="timed samples, at most")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed batches first")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="back-to-back ops per sample, at most"
+    )
+    parser.add_argument(
+        "--probe-ops", type=int, default=None, help="single 8-byte allreduces timed (0: no probe)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="write a results page")
     args = parser.parse_args(argv)
-    args.sizes = [
-        parse_size(s)
-        for s in (args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)).split(",")
-    ]
+    try:
+        args.sizes = [
+            parse_size(s)
+            for s in (args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)).split(",")
+        ]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     args.ops = [op for op in args.ops.split(",") if op]
     args.world_sizes = [
         int(n) for n in (args.world_sizes or ("2" if args.quick else "2,4")).split(",")
@@ -58,6 +75,9 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     args.impls = [i for i in args.impls.split(",") if i]
     args.iters = args.iters or (5 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.batch = args.batch or (8 if args.quick else workloads.MAX_BATCH)
+    if args.probe_ops is None:
+        args.probe_ops = 200 if args.quick else 2000
     for name, values, known in (("ops", args.ops, workloads.OPS), ("impls", args.impls, IMPLS)):
         unknown = sorted(set(values) - set(known))
         if unknown:
@@ -66,24 +86,21 @@ def arguments(argv: list[str]) -> argparse.Namespace:
 
 
 def iterations(size: int, most: int) -> int:
-    """Return fewer timed iterations for big messages: about 512 MiB moved per point."""
-    return max(3, min(most, (512 << 20) // size))
+    """Return ``most`` samples, fewer for big messages: about 512 MiB moved, 3 at least."""
+    return min(most, max(3, (512 << 20) // size))
 
 
 def make(impl: str) -> Any:
     """Return a fresh runner of ``impl``."""
-    if impl == "collective":
-        return peers.RayActors("collective")
-    if impl == "ray_collective":
-        return peers.RayActors("ray")
-    if impl == "torch_gloo":
-        return peers.TorchGloo()
-    return peers.ObjectStore()
-
-
-def measures(impl: str, op: str) -> bool:
-    """Return whether ``impl`` takes part in ``op`` (the object store does two ops)."""
-    return impl != "object_store" or op in peers.ObjectStore.ops
+    runners = {
+        OURS: lambda: peers.RayActors("collective", "auto"),
+        OURS_GLOO: lambda: peers.RayActors("collective", "gloo"),
+        RAY: lambda: peers.RayActors("ray"),
+        TORCH: processes.TorchGloo,
+        STORE: peers.ObjectStore,
+        COPY: processes.ShmCopy,
+    }
+    return runners[impl]()
 
 
 def progress(done: int, total: int, what: str) -> None:
@@ -94,38 +111,52 @@ def progress(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
-def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Measure every point, alternating implementations; return the records and skips."""
+def rotated(items: list[str], k: int) -> list[str]:
+    """Return ``items`` starting at the ``k``-th: who goes first alternates point to point."""
+    shift = k % max(len(items), 1)
+    return items[shift:] + items[:shift]
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict]:
+    """Measure every point, alternating implementations; return records, probes and skips."""
     unavailable: dict[str, str] = {}
     why = peers.ray_collective_available()
     impls = list(args.impls)
-    if "ray_collective" in impls and why:
-        unavailable["ray_collective"] = why
-        impls.remove("ray_collective")
+    if RAY in impls and why:
+        unavailable[RAY] = why
+        impls.remove(RAY)
     import collective
 
     if not collective.nccl_available():
         unavailable["collective_nccl"] = "unavailable: no GPU with cupy and NCCL on this machine"
+    runners: dict[str, Any] = {}
     cases = [(op, size) for op in args.ops for size in args.sizes]
-    total = sum(
-        1 for _ in args.world_sizes for op, _ in cases for impl in impls if measures(impl, op)
-    )
-    records, done = [], 0
+    probed = [i for i in impls if i in PROBED] if args.probe_ops else []
+    total = len(args.world_sizes) * len(probed)
+    total += sum(1 for _ in args.world_sizes for op, _ in cases for i in impls if op in ops_of(i))
+    records, probes, done = [], [], 0
     for n in args.world_sizes:
         runners = {impl: make(impl) for impl in impls}
         try:
             for impl, runner in runners.items():
                 progress(done, total, f"starting {impl}, {n} ranks")
                 runner.start(n)
+            plan = workloads.Plan(args.probe_ops, args.warmup, batch=1, barrier=False)
+            for impl in probed:
+                progress(done, total, f"{impl} {PROBE_SIZE} B allreduce latency, {n} ranks")
+                times, _ = runners[impl].run("allreduce", PROBE_SIZE, plan)
+                probes.append(report.latency(impl, n, PROBE_SIZE, times))
+                done += 1
             for k, (op, size) in enumerate(cases):
-                shift = k % len(impls)  # alternate who goes first, so noise hits each alike
-                for impl in impls[shift:] + impls[:shift]:
-                    if not measures(impl, op):
+                for impl in rotated(impls, k):
+                    if op not in runners[impl].ops:
                         continue
                     progress(done, total, f"{impl} {op} {size} B, {n} ranks")
-                    iters = iterations(size, args.iters)
-                    times, wrong = runners[impl].run(op, size, iters, args.warmup)
-                    records.append(report.record(impl, op, n, size, times, wrong))
+                    batch = min(workloads.batch_for(size), runners[impl].max_batch, args.batch)
+                    plan = workloads.Plan(iterations(size, args.iters), args.warmup, batch)
+                    times, wrong = runners[impl].run(op, size, plan)
+                    real = workloads.actual_size(op, size, n)
+                    records.append(report.record(impl, op, n, real, times, wrong, batch))
                     done += 1
         finally:
             for runner in runners.values():
@@ -133,12 +164,20 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, str]]
     progress(done, total, "done")
     sys.stderr.write("\n")
     report.add_ratios(records)
-    return records, unavailable
+    return records, probes, unavailable
+
+
+def ops_of(impl: str) -> tuple[str, ...]:
+    """Return the ops ``impl`` takes part in."""
+    if impl == STORE:
+        return peers.ObjectStore.ops
+    return peers.RAY_COLLECTIVE_OPS if impl == RAY else workloads.OPS
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and write its table, JSON and plot; return the exit status."""
-    args = arguments(sys.argv[1:] if argv is None else argv)
+    """Run the benchmark and write its table, goals, JSON, plot and page; return the status."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = arguments(argv)
     start = time.monotonic()
     ray.init(
         address="local",
@@ -148,30 +187,36 @@ def main(argv: list[str] | None = None) -> int:
         log_to_driver=False,
     )
     try:
-        records, unavailable = run(args)
+        records, probes, unavailable = run(args)
     finally:
         ray.shutdown()
+    verdicts = goals.evaluate(records, probes)
     print(report.table(records, unavailable))
+    if probes:
+        print("\n" + report.latency_table(probes))
+    print("\n" + goals.text(verdicts))
     import torch
 
     meta = {
-        "command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks " + " ".join(argv),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
         "machine": platform.platform(),
-        "cpus": __import__("os").cpu_count(),
+        "cpus": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.monotonic() - start, 1),
         "unavailable": unavailable,
     }
+    data = {"meta": meta, "results": records, "latency": probes, "goals": goals.as_json(verdicts)}
     if args.json:
-        report.write_json(args.json, records, meta)
+        report.write_json(args.json, data)
     if args.plot:
         report.plot(args.plot, records)
     if args.markdown:
         plot_name = args.plot.name if args.plot else None
-        args.markdown.write_text(report.markdown(records, meta, plot_name))
-    print(f"\n# {len(records)} points in {meta['seconds']} s")
+        args.markdown.write_text(report.markdown(data, goals.text(verdicts), plot_name))
+    print(f"\n# {len(records)} points and {len(probes)} probes in {meta['seconds']} s")
     return 0 if all(r["wrong"] == 0 for r in records) else 1
 
 

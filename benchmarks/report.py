@@ -1,4 +1,4 @@
-"""Statistics, the nccl-tests-style table, JSON and the bus-bandwidth plot."""
+"""Statistics, the nccl-tests-style table, JSON, the bus-bandwidth plot and the results page."""
 
 from __future__ import annotations
 
@@ -10,19 +10,48 @@ from typing import Any
 from benchmarks import workloads
 
 OURS = "collective"
+"""Ours with the default CPU transport (``cpu_transport="auto"``)."""
+OURS_GLOO = "collective_gloo"
+"""Ours forced to Gloo over TCP (``cpu_transport="gloo"``)."""
+TORCH = "torch_gloo"
+"""Raw ``torch.distributed`` gloo in plain processes: the baseline of every ratio."""
+RAY = "ray_collective"
+STORE = "object_store"
+COPY = "shm_copy"
+"""The physical bound: the op's bytes copied through shared memory, no arithmetic."""
+
+IMPLS = (OURS, OURS_GLOO, TORCH, RAY, STORE, COPY)
 COLORS = {
-    "collective": "tab:blue",
-    "torch_gloo": "tab:red",
-    "ray_collective": "tab:green",
-    "object_store": "tab:orange",
+    OURS: "tab:blue",
+    OURS_GLOO: "tab:purple",
+    TORCH: "tab:red",
+    RAY: "tab:green",
+    STORE: "tab:orange",
+    COPY: "black",
 }
 """One color per implementation, the same in every panel."""
 
+HOW_TO_READ = [
+    "- Time is the median over the samples of the slowest rank's time per op, with the",
+    "  min and max beside it. Below 1 MiB a sample times a batch of back-to-back ops",
+    "  (`batch`, from the size) and counts their mean; the ranks meet before each sample.",
+    "- algbw = size / time; busbw = algbw x nccl-tests' factor of the op.",
+    f"- `t/gloo` is the median time over raw torch gloo's ({TORCH}) at the same point:",
+    "  below 1 is faster. `bw/copy` is the bandwidth as a fraction of the copy bound",
+    f"  ({COPY}: the op's bytes copied through shared memory): 1 is the bound.",
+]
+
 
 def record(
-    impl: str, op: str, world_size: int, size: int, times: list[float], wrong: int
+    impl: str,
+    op: str,
+    world_size: int,
+    size: int,
+    times: list[float],
+    wrong: int,
+    batch: int,
 ) -> dict[str, Any]:
-    """Summarise one implementation's run of ``op`` at ``size`` bytes."""
+    """Summarise one implementation's run of ``op`` at ``size`` bytes (the size it really moved)."""
     median = statistics.median(times)
     algbw = size / median / 1e9
     return {
@@ -33,6 +62,7 @@ def record(
         "count": workloads.count(op, size, world_size),
         "dtype": "float32",
         "iters": len(times),
+        "batch": batch,
         "time_us": {"median": median * 1e6, "min": min(times) * 1e6, "max": max(times) * 1e6},
         "algbw_gbs": algbw,
         "busbw_gbs": algbw * workloads.BUS_FACTOR[op](world_size),
@@ -40,49 +70,93 @@ def record(
     }
 
 
-def add_ratios(records: list[dict[str, Any]]) -> None:
-    """Set each record's ``ratio_to_ours``: its median time over ours at the same point."""
-    ours = {
-        (r["op"], r["world_size"], r["size"]): r["time_us"]["median"]
-        for r in records
-        if r["impl"] == OURS
+def latency(impl: str, world_size: int, size: int, times: list[float]) -> dict[str, Any]:
+    """Summarise a latency probe: single ops back to back, each timed by itself."""
+    return {
+        "impl": impl,
+        "world_size": world_size,
+        "size": size,
+        "ops": len(times),
+        "median_us": statistics.median(times) * 1e6,
+        "min_us": min(times) * 1e6,
+        "p90_us": statistics.quantiles(times, n=10)[-1] * 1e6 if len(times) > 1 else times[0] * 1e6,
     }
+
+
+def _key(r: dict[str, Any]) -> tuple[str, int, int]:
+    return r["op"], r["world_size"], r["size"]
+
+
+def add_ratios(records: list[dict[str, Any]]) -> None:
+    """Set each record's ``ratio_to_torch_gloo`` (time) and ``fraction_of_copy`` (bandwidth)."""
+    medians = {(r["impl"], *_key(r)): r["time_us"]["median"] for r in records}
     for r in records:
-        base = ours.get((r["op"], r["world_size"], r["size"]))
-        r["ratio_to_ours"] = r["time_us"]["median"] / base if base else None
+        torch_time, copy_time = medians.get((TORCH, *_key(r))), medians.get((COPY, *_key(r)))
+        mine = r["time_us"]["median"]
+        r["ratio_to_torch_gloo"] = mine / torch_time if torch_time else None
+        r["fraction_of_copy"] = copy_time / mine if copy_time else None
+
+
+def _order(impl: str) -> int:
+    return IMPLS.index(impl) if impl in IMPLS else len(IMPLS)
+
+
+def _cell(value: float | None, width: int = 7) -> str:
+    return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}}"
 
 
 def table(records: list[dict[str, Any]], unavailable: dict[str, str]) -> str:
     """Return the results as nccl-tests-style text, one block per op and world size."""
     lines = []
-    blocks = sorted({(r["op"], r["world_size"]) for r in records})
+    blocks = sorted(
+        {(r["op"], r["world_size"]) for r in records},
+        key=lambda b: (workloads.OPS.index(b[0]), b[1]),
+    )
     header = (
-        f"{'size(B)':>11} {'count':>10} {'type':>7} {'impl':>16} {'time(us)':>11} "
-        f"{'min':>10} {'max':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs ours':>7}"
+        f"{'size(B)':>11} {'count':>10} {'type':>7} {'impl':>15} {'batch':>5} {'time(us)':>11} "
+        f"{'min':>10} {'max':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'t/gloo':>7} "
+        f"{'bw/copy':>7}"
     )
     for op, world_size in blocks:
         lines += ["", f"# {op}, world size {world_size}", header]
         rows = [r for r in records if (r["op"], r["world_size"]) == (op, world_size)]
-        for r in sorted(rows, key=lambda r: (r["size"], r["impl"] != OURS, r["impl"])):
+        for r in sorted(rows, key=lambda r: (r["size"], _order(r["impl"]))):
             t = r["time_us"]
-            ratio = f"{r['ratio_to_ours']:.2f}x" if r["ratio_to_ours"] else "-"
             lines.append(
-                f"{r['size']:>11} {r['count']:>10} {r['dtype']:>7} {r['impl']:>16} "
-                f"{t['median']:>11.1f} {t['min']:>10.1f} {t['max']:>10.1f} "
-                f"{r['algbw_gbs']:>7.3f} {r['busbw_gbs']:>7.3f} {r['wrong']:>6} {ratio:>7}"
+                f"{r['size']:>11} {r['count']:>10} {r['dtype']:>7} {r['impl']:>15} "
+                f"{r['batch']:>5} {t['median']:>11.1f} {t['min']:>10.1f} {t['max']:>10.1f} "
+                f"{r['algbw_gbs']:>7.3f} {r['busbw_gbs']:>7.3f} {r['wrong']:>6} "
+                f"{_cell(r.get('ratio_to_torch_gloo'))} {_cell(r.get('fraction_of_copy'))}"
             )
     for impl, why in sorted(unavailable.items()):
         lines.append(f"# {impl}: {why}")
     return "\n".join(lines).lstrip("\n")
 
 
-def write_json(path: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Write the records and the run's description to ``path``."""
-    path.write_text(json.dumps({"meta": meta, "results": records}, indent=2) + "\n")
+def latency_table(probes: list[dict[str, Any]]) -> str:
+    """Return the latency probes as text: one line per implementation and world size."""
+    if not probes:
+        return ""
+    size = probes[0]["size"]
+    lines = [
+        f"# {size}-byte allreduce, single ops back to back (ours and ray_collective in Ray actors)",
+        f"{'ranks':>5} {'impl':>15} {'ops':>6} {'median(us)':>11} {'min':>9} {'p90':>9}",
+    ]
+    for p in sorted(probes, key=lambda p: (p["world_size"], _order(p["impl"]))):
+        lines.append(
+            f"{p['world_size']:>5} {p['impl']:>15} {p['ops']:>6} {p['median_us']:>11.1f} "
+            f"{p['min_us']:>9.1f} {p['p90_us']:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write the run's description, records, latency probes and goals to ``path``."""
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def plot(path: Path, records: list[dict[str, Any]]) -> None:
-    """Draw busbw against size, one line per implementation, one panel per op and world size."""
+    """Draw busbw against size, one line per implementation, a panel per op and world size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,74 +165,82 @@ def plot(path: Path, records: list[dict[str, Any]]) -> None:
     ops = [op for op in workloads.OPS if any(r["op"] == op for r in records)]
     sizes = sorted({r["world_size"] for r in records})
     fig, axes = plt.subplots(
-        len(sizes), len(ops), figsize=(4 * len(ops), 3.2 * len(sizes)), squeeze=False
+        len(ops), len(sizes), figsize=(5 * len(sizes), 3.2 * len(ops)), squeeze=False
     )
-    for i, world_size in enumerate(sizes):
-        for j, op in enumerate(ops):
+    for i, op in enumerate(ops):
+        for j, world_size in enumerate(sizes):
             ax = axes[i][j]
             rows = [r for r in records if (r["op"], r["world_size"]) == (op, world_size)]
-            for impl in sorted({r["impl"] for r in rows}):
+            for impl in sorted({r["impl"] for r in rows}, key=_order):
                 points = sorted((r["size"], r["busbw_gbs"]) for r in rows if r["impl"] == impl)
-                color = COLORS.get(impl)
-                ax.plot(*zip(*points, strict=True), marker="o", label=impl, color=color)
+                style = "--" if impl == COPY else "-"
+                ax.plot(
+                    *zip(*points, strict=True),
+                    style,
+                    marker="o",
+                    markersize=3,
+                    label=impl,
+                    color=COLORS.get(impl),
+                )
             ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
             ax.set_title(f"{op}, {world_size} ranks")
             ax.set_xlabel("size (bytes)")
             ax.set_ylabel("busbw (GB/s)")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
-def markdown(records: list[dict[str, Any]], meta: dict[str, Any], plot_name: str | None) -> str:
-    """Return a results page: the machine, the command, headline ratios, the plot, the table."""
+def markdown(data: dict[str, Any], goals_text: str, plot_name: str | None) -> str:
+    """Return a results page: machine and command, goals, latency, ratios, plot and table."""
+    meta, records = data["meta"], data["results"]
     lines = [
         "## Machine and command",
         "",
         f"- Machine: {meta['machine']}, {meta['cpus']} CPUs; Python {meta['python']}, "
         f"torch {meta['torch']}, Ray {meta['ray']}.",
         f"- Command: `{meta['command']}` ({meta['seconds']} s).",
-        "- Time is the median over the timed iterations of the slowest rank's time, with the",
-        "  min and max beside it; algbw = size / time; busbw = algbw x nccl-tests' factor.",
-        "  `vs ours` is a peer's median time over ours: above 1 means ours is faster.",
+        *HOW_TO_READ,
     ]
     lines += [f"- {impl}: {why}" for impl, why in sorted(meta["unavailable"].items())]
-    lines += ["", "## Median time of each peer relative to ours", ""]
-    lines += ["| op | ranks | size | " + " | ".join(_peers(records)) + " |"]
-    lines += ["|---|---|---|" + "---|" * len(_peers(records))]
-    for r in sorted(
-        (r for r in records if r["impl"] == OURS),
-        key=lambda r: (r["op"], r["world_size"], r["size"]),
+    lines += ["", "## Goals", "", "```text", goals_text, "```"]
+    if data["latency"]:
+        lines += ["", "## Latency", "", "```text", latency_table(data["latency"]), "```"]
+    for title, field in (
+        ("Median time relative to raw torch gloo (below 1 is faster)", "ratio_to_torch_gloo"),
+        ("Bandwidth as a fraction of the shared-memory copy bound", "fraction_of_copy"),
     ):
-        cells = [_ratio(records, r, impl) for impl in _peers(records)]
-        lines.append(
-            f"| {r['op']} | {r['world_size']} | {_human(r['size'])} | " + " | ".join(cells) + " |"
-        )
+        lines += ["", f"## {title}", "", *_grid(records, field)]
     if plot_name:
         lines += ["", "## Bus bandwidth", "", f"![busbw against size]({plot_name})"]
     lines += ["", "## Table", "", "```text", table(records, {}), "```", ""]
     return "\n".join(lines)
 
 
-def _peers(records: list[dict[str, Any]]) -> list[str]:
-    return sorted({r["impl"] for r in records} - {OURS})
+def _grid(records: list[dict[str, Any]], field: str) -> list[str]:
+    """Return a markdown table of ``field``: a row per op, ranks and size, a column per impl."""
+    impls = sorted({r["impl"] for r in records if r.get(field) is not None}, key=_order)
+    impls = [i for i in impls if i not in (TORCH if field == "ratio_to_torch_gloo" else COPY,)]
+    if not impls:
+        return ["No baseline in this run."]
+    cells = {(r["impl"], *_key(r)): r.get(field) for r in records}
+    points = sorted(
+        {_key(r) for r in records}, key=lambda k: (workloads.OPS.index(k[0]), k[1], k[2])
+    )
+    lines = ["| op | ranks | size | " + " | ".join(impls) + " |"]
+    lines.append("|---|---|---|" + "---|" * len(impls))
+    for op, world_size, size in points:
+        row = [cells.get((impl, op, world_size, size)) for impl in impls]
+        text = [f"{v:.2f}" if v is not None else "-" for v in row]
+        lines.append(f"| {op} | {world_size} | {human(size)} | " + " | ".join(text) + " |")
+    return lines
 
 
-def _ratio(records: list[dict[str, Any]], ours: dict[str, Any], impl: str) -> str:
-    for r in records:
-        same = (r["op"], r["world_size"], r["size"]) == (
-            ours["op"],
-            ours["world_size"],
-            ours["size"],
-        )
-        if same and r["impl"] == impl:
-            return f"{r['ratio_to_ours']:.2f}"
-    return "-"
-
-
-def _human(size: int) -> str:
+def human(size: int) -> str:
+    """Return ``size`` bytes as text: ``8 B``, ``64 KiB``, ``256 MiB``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if size >= scale:
             return f"{size / scale:g} {unit}"

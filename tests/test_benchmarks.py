@@ -1,7 +1,8 @@
 """The benchmark CLI runs end to end in quick mode and writes a well-formed table, JSON and plot.
 
-This checks the shape of the output and that every implementation computed the right
-result, never the speed.
+This checks the shape of the output, that every implementation computed the right
+result, and that the goals and the latency probe are reported, never the speed. The
+workloads' expected results are checked against a numpy simulation of each op.
 """
 
 from __future__ import annotations
@@ -11,46 +12,139 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+from benchmarks import workloads
+
 ROOT = Path(__file__).resolve().parent.parent
-OPS = {"allreduce", "allgather", "broadcast", "reducescatter"}
-IMPLS = {"collective", "torch_gloo", "ray_collective", "object_store"}
+OPS = set(workloads.OPS)
+RAY_OPS = {"allreduce", "broadcast", "reduce", "allgather", "reducescatter"}
+STORE_OPS = {"allreduce", "broadcast", "allgather"}
+EVERYWHERE = {"collective", "collective_gloo", "torch_gloo", "shm_copy"}
+GOALS = 7
 
 
-def test_quick_benchmark_writes_table_json_and_plot(tmp_path: Path) -> None:
+def _impls(op: str) -> set[str]:
+    return (
+        EVERYWHERE
+        | ({"ray_collective"} if op in RAY_OPS else set())
+        | ({"object_store"} if op in STORE_OPS else set())
+    )
+
+
+def test_quick_benchmark_writes_table_goals_json_and_plot(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "results.json", tmp_path / "busbw.png"
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--sizes", "4K,64K"]
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--sizes", "8,64K"]
+    command += ["--iters", "2", "--warmup", "0", "--batch", "2", "--probe-ops", "20"]
     out_md = tmp_path / "results.md"
     command += ["--json", str(out_json), "--plot", str(out_png), "--markdown", str(out_md)]
     done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+        command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for op in OPS:
         assert f"# {op}, world size 2" in done.stdout
-    assert "size(B)" in done.stdout and "busbw" in done.stdout and "#wrong" in done.stdout
+    for column in ("size(B)", "busbw", "#wrong", "t/gloo", "bw/copy"):
+        assert column in done.stdout
+    assert "# 8-byte allreduce, single ops" in done.stdout
+    assert "# goals" in done.stdout
     data = json.loads(out_json.read_text())
     assert set(data["meta"]) >= {"command", "torch", "ray", "seconds", "unavailable"}
+    missing = set(data["meta"]["unavailable"])
     results = data["results"]
     for op in OPS:
-        for size in (4096, 65536):
+        for size in (8, 65536):
             impls = {r["impl"] for r in results if (r["op"], r["size"]) == (op, size)}
-            expected = IMPLS if op in {"allreduce", "allgather"} else IMPLS - {"object_store"}
-            assert impls == expected - set(data["meta"]["unavailable"]), (op, size, impls)
+            assert impls == _impls(op) - missing, (op, size, impls)
     for r in results:
         assert r["wrong"] == 0, r
         assert r["world_size"] == 2 and r["dtype"] == "float32"
         assert r["time_us"]["min"] <= r["time_us"]["median"] <= r["time_us"]["max"]
         assert r["busbw_gbs"] > 0 and r["algbw_gbs"] > 0
-        assert r["ratio_to_ours"] > 0
+        assert r["ratio_to_torch_gloo"] > 0 and r["fraction_of_copy"] > 0
+        assert 1 <= r["batch"] <= 2 and r["iters"] == 2
+        if r["impl"] == "torch_gloo":
+            assert r["ratio_to_torch_gloo"] == 1.0
+        if r["impl"] == "shm_copy":
+            assert r["fraction_of_copy"] == 1.0
+    assert {r["batch"] for r in results if r["impl"] != "object_store"} == {2}
+    probes = data["latency"]
+    assert {p["impl"] for p in probes} == {
+        "collective",
+        "collective_gloo",
+        "torch_gloo",
+        "ray_collective",
+        "shm_copy",
+    } - missing
+    for p in probes:
+        assert (p["size"], p["ops"], p["world_size"]) == (8, 20, 2)
+        assert 0 < p["min_us"] <= p["median_us"] <= p["p90_us"]
+    verdicts = data["goals"]
+    assert len(verdicts) == GOALS
+    assert {g["verdict"] for g in verdicts} <= {"pass", "fail", "not measured"}
+    assert verdicts[0]["verdict"] != "not measured", "the latency goal had its probe"
+    if "ray_collective" not in missing:
+        assert verdicts[-1]["verdict"] != "not measured", "the reducescatter goal had its rows"
+    for g in verdicts:
+        assert g["claim"] in done.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = out_md.read_text()
-    for heading in ("## Machine and command", "## Bus bandwidth", "## Table"):
+    for heading in ("## Machine and command", "## Goals", "## Latency", "## Bus bandwidth"):
         assert heading in page
+    assert "## Median time relative to raw torch gloo" in page and "## Table" in page
     assert "](busbw.png)" in page
 
 
-def test_bad_arguments_are_rejected_before_anything_starts() -> None:
-    command = [sys.executable, "-m", "benchmarks", "--ops", "allreduce,scan"]
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ops", "allreduce,scan"], "unknown ops"),
+        (["--impls", "collective,mpi"], "unknown impls"),
+        (["--sizes", "8,4X"], "sizes must be like"),
+    ],
+)
+def test_bad_arguments_are_rejected_before_anything_starts(flags: list[str], message: str) -> None:
+    command = [sys.executable, "-m", "benchmarks", *flags]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "unknown ops" in done.stderr and "scan" in done.stderr
+    assert message in done.stderr
+
+
+def _simulate(op: str, inputs: list[np.ndarray], chunk: int) -> list[np.ndarray | None]:
+    """Return what each rank must hold after ``op``, computed directly from the inputs."""
+    n, root = len(inputs), workloads.ROOT
+    chunks = [np.split(x, n) if x.size == n * chunk else [] for x in inputs]
+    if op in ("allreduce", "reduce"):
+        total = np.sum(inputs, axis=0)
+        return [total if op == "allreduce" or r == root else None for r in range(n)]
+    if op == "broadcast":
+        return [inputs[root]] * n
+    if op in ("allgather", "gather"):
+        gathered = np.concatenate(inputs)
+        return [gathered if op == "allgather" or r == root else None for r in range(n)]
+    if op == "reducescatter":
+        return [np.sum([c[r] for c in chunks], axis=0) for r in range(n)]
+    if op == "scatter":
+        return [chunks[root][r] for r in range(n)]
+    return [np.concatenate([c[r] for c in chunks]) for r in range(n)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("size", [8, 24, 4096])
+def test_expected_results_match_a_numpy_simulation(world_size: int, size: int) -> None:
+    for op in workloads.OPS:
+        chunk, total = workloads.shape(op, size, world_size)
+        assert total >= 1 and chunk >= 1
+        assert workloads.actual_size(op, size, world_size) == total * workloads.ITEM
+        inputs = [workloads.buffers(op, size, world_size, r)[0] for r in range(world_size)]
+        for rank, want in enumerate(_simulate(op, inputs, chunk)):
+            expected = workloads.expected(op, size, world_size, rank)
+            if want is None:
+                assert expected is None, (op, rank)
+                continue
+            np.testing.assert_array_equal(expected, want, f"{op} rank {rank}")
+            out = workloads.buffers(op, size, world_size, rank)[1]
+            assert out.shape == want.shape, (op, rank)
+            assert workloads.wrong(op, want, size, world_size, rank) == 0
+            assert workloads.wrong(op, np.zeros_like(want), size, world_size, rank) > 0

@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.groups.base import BaseGroup
+from collective.groups.gloo_reducescatter import ChunkExchange, Scratch
 from collective.groups.gloo_work import (
     GlooWork,
     buffer_list,
@@ -54,6 +55,8 @@ class GlooGroup(BaseGroup):
 
     device_type = "cpu"
     dtypes = DTYPES
+    _scratch: Scratch | None = None
+    """The reducescatters' scratch buffer, made by the first one."""
 
     def __init__(
         self,
@@ -253,18 +256,28 @@ class GlooGroup(BaseGroup):
     ) -> Work:
         """Reduce element i of every rank's list into rank i's tensor; inputs stay unchanged.
 
-        This is gloo's native reduce_scatter, not one allreduce per chunk.
+        One gloo alltoall sends chunk j to rank j, then each rank reduces what it
+        received, in rank order (see ``gloo_reducescatter``): this beats torch's
+        gloo reduce_scatter and ``ray.util.collective``'s allreduce per chunk at
+        every size measured.
         """
         output = self._one(tensors, "tensor", writable=True)
         inputs = self._list(tensor_lists, "tensor_list", writable=False)
-        op, chunks = c10d_reduce_op(options.reduce_op), [[i.tensor for i in inputs]]
+        if self._scratch is None:
+            self._scratch = Scratch()
+        exchange = ChunkExchange(output.tensor, [i.tensor for i in inputs], self._scratch)
+
+        def finish() -> None:
+            exchange.reduce(options.reduce_op)
+            output.commit()
+
         return self._run(
             "reducescatter",
             options,
-            lambda t: self._pg.reduce_scatter(
-                [output.tensor], chunks, call_options("ReduceScatter", t, reduceOp=op)
+            lambda t: self._pg.alltoall_base(
+                exchange.received, exchange.sent, [], [], call_options("AllToAll", t)
             ),
-            output.commit,
+            finish,
         )
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
@@ -372,6 +385,7 @@ class GlooGroup(BaseGroup):
         Returns at once, even with ops given up on after a failure still in gloo.
         """
         pg, self._pg, self._tcp_store = self._pg, None, None
+        self._scratch = None
         if self._watch is not None:
             self._watch.stop()
             self._watch.release(pg)
