@@ -246,6 +246,8 @@ class NcclWork(OnceWork):
         try:
             if not wait_events(self._events, self._comms, timeout):
                 raise TimeoutError("the NCCL kernels did not finish")
+            for comm in self._comms:
+                comm.check_async_error()
         except (RuntimeError, TimeoutError) as exc:
             self._error = self._fail(self._op, timeout, exc)
         else:
@@ -254,9 +256,8 @@ class NcclWork(OnceWork):
             self._finish = None
 
     def is_completed(self) -> bool:
-        """Return whether the op has finished, successfully or not."""
-        with self._lock:
-            return self._done or self._error is not None or all(e.done for e in self._events)
+        """Return whether the op has finished, successfully or not; never blocks."""
+        return self._done or self._error is not None or all(e.done for e in self._events)
 
     def exception(self) -> BaseException | None:
         """Return the op's failure once it has finished with one, else None."""
