@@ -160,10 +160,16 @@ class StoreActor:
 class RayRendezvousStore(RendezvousStore):
     """A ``RendezvousStore`` backed by a group's store actor."""
 
-    def __init__(self, handle: Any, group_name: str) -> None:
-        """Talk to the store actor ``handle`` of ``group_name``."""
+    def __init__(self, handle: Any, group_name: str, incarnation: str = "") -> None:
+        """Talk to the store actor ``handle`` of ``group_name``, joined as ``incarnation``."""
         self._handle = handle
         self._group_name = group_name
+        self._incarnation = incarnation
+
+    @property
+    def incarnation(self) -> str:
+        """Return the incarnation id this store was joined as; "" before a join."""
+        return self._incarnation
 
     @property
     def handle(self) -> Any:
@@ -299,7 +305,7 @@ def join_store(
         except CollectiveError:
             continue
         if status == "ok":
-            return store, detail
+            return RayRendezvousStore(handle, group_name, detail), detail
         if status == "error":
             raise CollectiveError(f"cannot join group {group_name!r}: {detail}")
         try:
