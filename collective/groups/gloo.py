@@ -400,7 +400,8 @@ class GlooGroup(BaseGroup):
         if running and pg is not None and self.world_size > 1:
             if self._watch is not None:
                 self._watch.report(reason)
-            self._in_flight.close(pg, 1 if self.rank == 0 else 0, running)
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            self._in_flight.close(pg, peers, running)
 
     def destroy_group(self) -> None:
         """Abort pending ops, then drop the process group and the TCPStore, at once."""

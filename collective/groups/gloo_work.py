@@ -228,20 +228,20 @@ class InFlight:
     def add(self, work: GlooWork) -> None:
         """Track ``work`` until ``discard``; call with ``lock`` held."""
         if len(self._works) >= _PRUNE_AT:
-            self._works = {w for w in self._works if w.may_run()}
+            self._works = {w for w in list(self._works) if w.may_run()}
         self._works.add(work)
 
     def discard(self, work: GlooWork) -> None:
-        """Stop tracking ``work``: its op no longer runs in gloo."""
+        """Stop tracking ``work``: its op no longer runs in gloo; any thread, no lock."""
         self._works.discard(work)
 
     def running(self) -> list[GlooWork]:
         """Return the works whose ops may still run; call with ``lock`` held."""
-        return [w for w in self._works if w.may_run()]
+        return [w for w in list(self._works) if w.may_run()]
 
-    def close(self, pg: Any, peer: int, running: list[GlooWork]) -> None:
+    def close(self, pg: Any, peers: Sequence[int], running: list[GlooWork]) -> None:
         """End the ``running`` ops of ``pg`` at once, and the threads that wait on them."""
-        close_connections(pg, peer)
+        close_connections(pg, peers)
         deadline = time.monotonic() + _JOIN_S
         for work in running:
             work.join(max(0.0, deadline - time.monotonic()))
@@ -252,20 +252,23 @@ CLOSE_TAG = 0x7FFFFFF0
 """A point-to-point tag no op uses: the receive that closes a context's connections."""
 
 
-def close_connections(pg: Any, peer: int) -> None:
+def close_connections(pg: Any, peers: Sequence[int]) -> None:
     """Close every connection of ``pg``'s gloo context; every op running in it fails at once.
 
     torch has no abort for gloo (``ProcessGroupGloo.abort`` does nothing, and
     ``shutdown`` waits for running ops), but gloo treats a receive that the
     application stops waiting for as fatal to its whole context: it closes every
     pair, which fails every op pending on this rank, and the peers see their
-    connections to this rank close. So this posts a receive from ``peer`` on a tag
-    that no sender uses and stops waiting after 1 ms.
+    connections to this rank close. So this posts a receive on a tag that no
+    sender uses and stops waiting after 1 ms, from the first of ``peers`` whose
+    connection is still open (a broken one fails the receive at once instead).
     """
     import torch
 
-    try:
-        probe = pg.recv([torch.empty(1, dtype=torch.uint8)], peer, CLOSE_TAG)
-        probe.wait(timedelta(milliseconds=1))
-    except RuntimeError:
-        return
+    for peer in peers:
+        try:
+            probe = pg.recv([torch.empty(1, dtype=torch.uint8)], peer, CLOSE_TAG)
+            probe.wait(timedelta(milliseconds=1))
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                return
