@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Generator
@@ -63,6 +62,8 @@ async def _until_completed(work: Work) -> None:
 
     Every op finishes by its own timeout at the latest, so this ends.
     """
+    import asyncio
+
     pause = _AWAIT_PAUSE_S[0]
     while not work.is_completed():
         await asyncio.sleep(pause)
