@@ -81,21 +81,29 @@ class OnceWork(Work):
     ``wait`` while that thread runs waits for the thread, up to its timeout.
     """
 
+    _finished: threading.Event | None = None
+    """Set once the background completion has run; None while none was started."""
+    _thread: threading.Thread | None = None
+    _given_up: BaseException | None = None
+    """The failure of a ``wait`` that ran out before the background completion."""
+
     def __init__(self, timeout: timedelta | None = None) -> None:
         """Start not done and without a failure; ``timeout`` is the op's own timeout."""
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
         self._timeout = timeout
-        self._finished: threading.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._given_up: BaseException | None = None
 
     def wait(self, timeout: timedelta | None = None) -> None:
         """Block until the op has finished, or raise its failure."""
         finished = self._finished
         if finished is None or self._done:
-            self._complete_once(timeout)
+            with self._lock:  # the body of _complete_once, inlined: this is the hot path
+                if not self._done:
+                    self._complete(timeout)
+                    if self._given_up is not None:
+                        self._error = self._given_up
+                    self._done = True
         elif not finished.wait(self._wait_seconds(timeout)):
             self._given_up = self._give_up(timeout)
             if not self._done:

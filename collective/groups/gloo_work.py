@@ -32,12 +32,18 @@ def c10d() -> Any:
     return dist
 
 
+@functools.cache
+def _options_class(kind: str) -> Any:
+    """Return torch's ``<kind>Options`` class, looked up once per kind."""
+    return getattr(c10d().distributed_c10d, f"{kind}Options")
+
+
 def call_options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
     """Build torch's ``<kind>Options`` for one gloo call with ``timeout`` and ``fields``.
 
     With ``timeout`` None the call keeps gloo's default: the group's timeout.
     """
-    options = getattr(c10d().distributed_c10d, f"{kind}Options")()
+    options = _options_class(kind)()
     if timeout is not None:
         options.timeout = timeout
     for name, value in fields.items():
@@ -93,6 +99,10 @@ class Completion(Enum):
     """Only a wait on the handle itself, with the op's timeout (send, recv); never sliced."""
 
 
+_REPORTED = Completion.REPORTED
+_DIRECT_WAIT = Completion.DIRECT_WAIT
+
+
 class WorkOwner(Protocol):
     """What a ``GlooWork`` needs from its group."""
 
@@ -146,7 +156,7 @@ class GlooWork(OnceWork):
     def _complete(self, timeout: timedelta | None) -> None:
         effective = timeout or self._timeout or DEFAULT_TIMEOUT
         try:
-            if self._completion is Completion.DIRECT_WAIT:
+            if self._completion is _DIRECT_WAIT:
                 self._torch_work.wait(effective)
             else:
                 self._owner._wait(self._op, self._torch_work, timeout)
@@ -171,7 +181,7 @@ class GlooWork(OnceWork):
     def may_run(self) -> bool:
         """Return whether the op may still be running in gloo; never blocks."""
         torch_work = self._torch_work
-        reported = self._completion is Completion.REPORTED and torch_work is not None
+        reported = self._completion is _REPORTED and torch_work is not None
         return not (reported and torch_work.is_completed())
 
     def is_completed(self) -> bool:
@@ -179,9 +189,9 @@ class GlooWork(OnceWork):
         torch_work = self._torch_work
         if self._done or torch_work is None:
             return True
-        if self._owner._interrupted(self._completion is not Completion.DIRECT_WAIT):
+        if self._owner._interrupted(self._completion is not _DIRECT_WAIT):
             return True
-        if self._completion is Completion.REPORTED:
+        if self._completion is _REPORTED:
             return torch_work.is_completed()
         self._complete_in_background(f"collective-work-{self._owner.group_name}")
         return self._done
