@@ -16,6 +16,7 @@ of an old one that a process still holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -98,7 +99,8 @@ def new_group(
         name = checks.check_group_name(group_name) if group_name is not None else None
         group_timeout = checks.check_timeout(timeout) or parent_group.timeout
     except (TypeError, ValueError) as exc:
-        _publish(meeting, me, {"error": f"{type(exc).__name__}: {exc}"})
+        with contextlib.suppress(CollectiveError, TimeoutError):
+            _publish(meeting, me, {"error": f"{type(exc).__name__}: {exc}"})
         raise
     name = name or _default_name(parent, call, incarnation)
     if me not in ranks:
