@@ -324,6 +324,11 @@ class CheckedGroup(BaseGroup):
         self._swap("recv", tensors[0], options.src_rank, False, options.timeout)
         return self._inner.recv(tensors, options)
 
+    def abort(self, reason: str) -> None:
+        """Abort the wrapped group's pending ops."""
+        super().abort(reason)
+        self._inner.abort(reason)
+
     def destroy_group(self) -> None:
         """Destroy the wrapped group."""
         self._inner.destroy_group()

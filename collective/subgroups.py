@@ -5,22 +5,29 @@ order of calls. The members of the subgroup meet through the parent's store,
 under keys no other subgroup uses, and connect a transport of the parent's
 backend (checking arguments across ranks if the parent does); the other ranks
 only count the call.
+
+Before connecting, each member publishes what it was asked for (ranks, name)
+or why it cannot build the group, and reads every other member's record. So
+every member raises at once when one of them cannot take part, instead of the
+others waiting out the timeout for it. Default names and keys carry the
+parent's incarnation, so the subgroups of a re-created parent never meet those
+of an old one that a process still holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any
 
 from collective import checks, lifecycle
 from collective.groups.base import BaseGroup, constructor
-from collective.store import PrefixedRendezvousStore
-
-_RANKS_KEY = "ranks"
-"""Key under which the subgroup's first rank publishes the rank list, for the others to compare."""
+from collective.store import PrefixedRendezvousStore, RendezvousStore
+from collective.types import CollectiveError, CollectiveTimeoutError
 
 _lock = threading.Lock()
 _calls: weakref.WeakKeyDictionary[BaseGroup, int] = weakref.WeakKeyDictionary()
@@ -66,8 +73,8 @@ def new_group(
 
     Args:
         ranks: distinct parent ranks; their order gives the new ranks.
-        group_name: the new group's name; None derives one from the parent's name
-            and the number of earlier ``new_group`` calls on it.
+        group_name: the new group's name; None derives one from the parent's name,
+            the number of earlier ``new_group`` calls on it and its incarnation.
         parent: the parent group's name.
         timeout: the new group's default timeout; None keeps the parent's.
 
@@ -75,21 +82,37 @@ def new_group(
         The new group's name on its members, None on the parent's other ranks.
 
     Raises:
-        ValueError, TypeError: an argument is invalid (on every rank that calls).
+        ValueError, TypeError: an argument is invalid (on every rank that calls), or
+            the members passed different ranks or names (on every member).
+        CollectiveError: a member cannot build the group (its name is taken there);
+            raised at once on every member.
         CollectiveTimeoutError: not every member arrived in time.
 
     """
     parent_group, parent_store = lifecycle.group_entry(parent)
-    ranks = check_subset(ranks, parent_group.world_size)
-    name = checks.check_group_name(group_name) if group_name is not None else None
-    group_timeout = checks.check_timeout(timeout) or parent_group.timeout
     call = _next_call(parent_group)
-    name = name or f"{parent}.sub{call}"
-    if parent_group.rank not in ranks:
+    incarnation = parent_store.incarnation
+    meeting = PrefixedRendezvousStore(parent_store, f"subgroup/{incarnation}/{call}/")
+    me = parent_group.rank
+    try:
+        ranks = check_subset(ranks, parent_group.world_size)
+        name = checks.check_group_name(group_name) if group_name is not None else None
+        group_timeout = checks.check_timeout(timeout) or parent_group.timeout
+    except (TypeError, ValueError) as exc:
+        with contextlib.suppress(CollectiveError, TimeoutError):
+            _publish(meeting, me, {"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    name = name or _default_name(parent, call, incarnation)
+    if me not in ranks:
         return None
-    rank = ranks.index(parent_group.rank)
-    store = PrefixedRendezvousStore(parent_store, f"subgroup/{call}/{name}/")
-    _check_same_ranks(store, rank, ranks, group_timeout)
+    rank = ranks.index(me)
+    if lifecycle.is_group_initialized(name):
+        error = f"group {name!r} is already initialized on parent rank {me}"
+        _publish(meeting, me, {"error": error})
+        raise CollectiveError(f"new_group cannot make {name!r}: {error}")
+    _publish(meeting, me, {"ranks": ranks, "name": name})
+    _agree(meeting, me, ranks, name, group_timeout)
+    store = PrefixedRendezvousStore(parent_store, f"subgroup/{incarnation}/{call}/{name}/")
     cls = constructor(type(parent_group))
     lifecycle.create_group(
         name,
@@ -109,17 +132,46 @@ def new_group(
     return name
 
 
-def _check_same_ranks(
-    store: PrefixedRendezvousStore, rank: int, ranks: list[int], timeout: timedelta
+def _default_name(parent: str, call: int, incarnation: str) -> str:
+    """Return ``<parent>.sub<call>``, with the parent's incarnation when it has one."""
+    base = f"{parent}.sub{call}"
+    return f"{base}-{incarnation[:8]}" if incarnation else base
+
+
+def _publish(meeting: RendezvousStore, me: int, record: dict[str, Any]) -> None:
+    """Publish parent rank ``me``'s record of this call for the other members to read."""
+    meeting.set(f"member/{me}", json.dumps(record).encode())
+
+
+def _agree(
+    meeting: RendezvousStore, me: int, ranks: list[int], name: str, timeout: timedelta
 ) -> None:
-    """Raise on a member whose ``ranks`` differ from the subgroup's first member's."""
-    mine = json.dumps(ranks).encode()
-    if rank == 0:
-        store.set(_RANKS_KEY, mine)
-        return
-    first = store.get(_RANKS_KEY, timeout)
-    if first != mine:
-        raise ValueError(
-            "every member must pass the same ranks to new_group: the first member passed "
-            f"{json.loads(first)}, this rank passed {ranks}"
-        )
+    """Read every other member's record; raise on every member unless all agree with ours.
+
+    Raises:
+        CollectiveError: a member reported that it cannot build the group.
+        ValueError: a member passed other ranks or another name.
+        CollectiveTimeoutError: a member did not call ``new_group`` in time.
+
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    for peer in ranks:
+        if peer == me:
+            continue
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            theirs = json.loads(meeting.get(f"member/{peer}", left))
+        except TimeoutError as exc:
+            detail = f"parent rank {peer} did not call new_group for it: {exc}"
+            rank = ranks.index(me)
+            raise CollectiveTimeoutError("new_group", name, rank, timeout, detail) from exc
+        if "error" in theirs:
+            raise CollectiveError(
+                f"new_group cannot make {name!r}: parent rank {peer} failed: {theirs['error']}"
+            )
+        for field, mine in (("ranks", ranks), ("name", name)):
+            if theirs[field] != mine:
+                raise ValueError(
+                    f"every member must pass the same {field} to new_group: parent rank "
+                    f"{peer} passed {theirs[field]!r}, parent rank {me} passed {mine!r}"
+                )

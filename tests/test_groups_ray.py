@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -64,8 +66,9 @@ def test_subgroups_follow_the_order_of_ranks(members: list) -> None:
         results = run_all(members, _subgroups, list(range(4)), [parent] * 4)
     finally:
         run_all(members, _destroy, [parent] * 4)
-    odd_name = f"{parent}.sub0"
+    odd_name = results[1]["names"][0]
     even_name = f"{parent}-even"
+    assert odd_name.startswith(f"{parent}.sub0-") and len(odd_name) == len(parent) + 14
     for rank, res in enumerate(results):
         if rank % 2:
             assert res["names"] == (odd_name, None), rank
@@ -105,6 +108,82 @@ def test_new_group_rejects_ranks_on_every_member(members: list, ranks: Any) -> N
     for kind, message in results:
         assert kind == expected
         assert "ranks" in message
+
+
+def _subgroup_of_new_parent(rank: int, parent: str) -> dict[str, Any]:
+    """Make a subgroup, re-create its parent while rank 0 keeps it, and make another."""
+    timeout = timedelta(seconds=10)
+    col.init_collective_group(2, rank, backend="gloo", group_name=parent, timeout=timeout)
+    old = col.new_group([0, 1], parent=parent)
+    assert old is not None
+    col.destroy_collective_group(parent)
+    if rank == 1:
+        col.destroy_collective_group(old)
+    col.init_collective_group(2, rank, backend="gloo", group_name=parent, timeout=timeout)
+    start, new = time.monotonic(), None
+    try:
+        new = col.new_group([0, 1], parent=parent)
+        took = time.monotonic() - start
+        assert new is not None
+        x = np.array([rank + 1.0])
+        col.allreduce(x, new)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - start}
+    finally:
+        held = col.is_group_initialized(old)
+        _destroy(parent, old, *([new] if new else []))
+    return {"names": (old, new), "took": took, "sum": x.tolist(), "old held": held}
+
+
+def test_subgroups_of_a_recreated_parent_never_collide_with_the_old_ones(members: list) -> None:
+    parent = unique_name("reparent")
+    results = run_all(members[:2], _subgroup_of_new_parent, [0, 1], [parent] * 2)
+    print(f"\nnew_group on a re-created parent took {[round(r['took'], 2) for r in results]} s")
+    for rank, res in enumerate(results):
+        assert "error" not in res, (rank, res)
+        old, new = res["names"]
+        assert old != new, res
+        assert old.startswith(f"{parent}.sub0-") and new.startswith(f"{parent}.sub0-"), res
+        assert res["names"] == results[0]["names"]
+        assert res["sum"] == [3.0]
+        assert res["old held"] == (rank == 0)
+        assert res["took"] < 5.0, res
+
+
+def _unbuildable(rank: int, parent: str, case: str) -> tuple[str, str, float]:
+    """Make a subgroup that one member cannot build; return how it failed there, and when."""
+    col.init_collective_group(
+        2, rank, backend="gloo", group_name=parent, timeout=timedelta(seconds=15)
+    )
+    taken = f"{parent}-taken"
+    col.new_group([0], group_name=taken, parent=parent)  # a group named so, on rank 0 only
+    ranks = [0, 1] if case == "taken" or rank == 0 else [1, 0]
+    start = time.monotonic()
+    try:
+        col.new_group(ranks, group_name=taken if case == "taken" else None, parent=parent)
+        outcome = ("", "no error")
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    took = time.monotonic() - start
+    _destroy(taken, parent)
+    return (*outcome, took)
+
+
+@pytest.mark.parametrize("case", ["taken", "ranks"])
+def test_a_subgroup_one_member_cannot_build_fails_at_once_on_every_member(
+    members: list, case: str
+) -> None:
+    parent = unique_name(f"unbuildable-{case}")
+    results = run_all(members[:2], _unbuildable, [0, 1], [parent] * 2, [case] * 2)
+    print(f"\nunbuildable subgroup ({case}): raised after {[round(r[2], 2) for r in results]} s")
+    for rank, (kind, message, took) in enumerate(results):
+        assert took < 5.0, (rank, kind, message, took)
+        if case == "ranks":
+            assert kind == "ValueError" and "same ranks" in message, (rank, message)
+        elif rank == 0:
+            assert kind == "CollectiveError" and "already initialized" in message, message
+        else:
+            assert kind == "CollectiveError" and "parent rank 0 failed" in message, message
 
 
 # --- async ops across groups -----------------------------------------------------------------

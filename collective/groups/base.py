@@ -72,6 +72,7 @@ class BaseGroup(ABC):
         self._timeout = timeout
         self._options = (options or GroupOptions()).resolved()
         self._error: CollectiveError | None = None
+        self._aborted: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -117,6 +118,14 @@ class BaseGroup(ABC):
             )
         if destroyed:
             raise CollectiveError(f"group {self.group_name!r} has been destroyed")
+        if self._aborted is not None:
+            raise CollectiveError(f"group {self.group_name!r} was aborted: {self._aborted}")
+
+    def _aborted_error(self, op: str) -> CollectiveError:
+        """Return the error that ends ``op``, pending when the group was aborted."""
+        return CollectiveError(
+            f"{op} on group {self.group_name!r} ended on rank {self.rank}: {self._aborted}"
+        )
 
     @classmethod
     @abstractmethod
@@ -258,9 +267,39 @@ class BaseGroup(ABC):
         peer: ``outputs[j]`` on rank i matches ``inputs[i]`` on rank j.
         """
 
+    def abort(self, reason: str) -> None:
+        """End every op pending on this rank at once; the group is unusable after.
+
+        The contract every backend keeps, on which ``destroy_group`` (and a destroy
+        from the driver) relies:
+
+        - It returns within a second, and never waits for another rank.
+        - Every op pending on this rank ends with a ``CollectiveError`` whose message
+          contains ``reason``, raised to whoever waits for it: a thread blocked in a
+          blocking op of this group, and any later ``wait`` or ``exception`` of an
+          async op's ``Work``, whose ``is_completed`` turns True. Ops that had
+          already finished keep their outcome.
+        - Every later op raises ``CollectiveError`` at once.
+        - It may be called from any thread, while ops run in others, and more than
+          once; the first reason is kept.
+        - It need not release connections or threads (``destroy_group`` does), and
+          it may make the other ranks' pending ops fail, as the loss of this rank
+          would.
+
+        This base version only marks the group; a backend that can have ops
+        pending overrides it to end them, calling ``super().abort(reason)`` first.
+        """
+        if self._aborted is None:
+            self._aborted = reason
+
     @abstractmethod
     def destroy_group(self) -> None:
-        """Release the group's connections and threads; the group is unusable after."""
+        """Release the group's connections and threads; the group is unusable after.
+
+        Returns within a second, even with ops pending in other threads or in
+        unwaited ``Work``: it first calls ``abort``, so those ops end with a
+        ``CollectiveError`` that says the group was destroyed.
+        """
 
 
 class GroupConstructor(Protocol):

@@ -164,8 +164,8 @@ class CpuGroup(BaseGroup):
 
     def _interrupted(self) -> str | None:
         """Return why every wait of this rank must end now, or None."""
-        if self._closing:
-            return "the group was destroyed"
+        if self._aborted is not None:
+            return self._aborted
         watch = self._watch
         return watch.failure if watch is not None else None
 
@@ -220,8 +220,8 @@ class CpuGroup(BaseGroup):
         where = f"{op} on group {self.group_name!r}"
         if isinstance(exc, MessageMismatchError):
             return CollectiveError(f"{where} failed on rank {self.rank}: {exc}")
-        if self._closing:
-            return CollectiveError(f"{where} ended on rank {self.rank}: the group was destroyed")
+        if self._aborted is not None:
+            return self._aborted_error(op)
         if isinstance(exc, CollectiveError):
             error = exc
         elif isinstance(exc, TimeoutError):
@@ -470,6 +470,28 @@ class CpuGroup(BaseGroup):
 
     # --- teardown ----------------------------------------------------------------------------
 
+    def abort(self, reason: str) -> None:
+        """End every op pending on this rank at once, with ``reason``; see ``BaseGroup``.
+
+        Waits in shared memory are woken and end with the reason; the Gloo groups
+        underneath abort their own ops. When an op was pending, the other ranks are
+        told too (the arena's abort word, the failure watch): their ops with this
+        rank could not end otherwise, so their groups break, as if it had died.
+        """
+        super().abort(reason)
+        pending = any(lane.active() for lane in list(self._lanes.values()))
+        if self._waiter is not None and self._steps is not None and self._mail is not None:
+            counters = self._steps.all_counters() + self._mail.counters()
+            if pending:
+                self._waiter.abort(counters)
+            else:
+                self._waiter.wake_all(counters)
+        if pending and self._watch is not None:
+            self._watch.report(reason)
+        for gloo in (self._found.gloo, self._found.leaders, self._found.full):
+            if gloo is not None:
+                gloo.abort(reason)
+
     def destroy_group(self) -> None:
         """End every pending op with an error, release the transports, unmap the arena.
 
@@ -478,8 +500,7 @@ class CpuGroup(BaseGroup):
         have (within about a wait slice), or after ``_IDLE_S`` at the most.
         """
         self._closing = True
-        if self._waiter is not None and self._steps is not None and self._mail is not None:
-            self._waiter.wake_all(self._steps.all_counters() + self._mail.counters())
+        self.abort(f"group {self.group_name!r} was destroyed on rank {self.rank}")
         error = CollectiveError(f"group {self.group_name!r} has been destroyed")
         lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:

@@ -9,7 +9,9 @@ from typing import Any
 from collective.groups.base import BaseGroup
 from collective.groups.gloo_reducescatter import ChunkExchange, Scratch
 from collective.groups.gloo_work import (
+    Completion,
     GlooWork,
+    InFlight,
     buffer_list,
     c10d,
     c10d_reduce_op,
@@ -79,6 +81,7 @@ class GlooGroup(BaseGroup):
         self._tcp_store: Any = None
         self._pg: Any = None
         self._watch: FailureWatch | None = None
+        self._in_flight = InFlight()
         dist = c10d()
         try:
             self._tcp_store = connect_tcp_store(store, rank, host, timeout)
@@ -112,7 +115,12 @@ class GlooGroup(BaseGroup):
         return True
 
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
-        """Mark the group unusable after ``exc`` and return the error to raise."""
+        """Mark the group unusable after ``exc`` and return the error to raise.
+
+        After ``abort``, return the abort's error instead and report nothing.
+        """
+        if self._aborted is not None:
+            return self._aborted_error(op)
         self._error = self._failure(op, timeout, exc)
         if self._watch is not None:
             self._watch.report(str(self._error))
@@ -120,6 +128,8 @@ class GlooGroup(BaseGroup):
 
     def _abort(self, op: str, failure: str) -> CollectiveError:
         """Mark the group unusable because another rank reported ``failure``."""
+        if self._aborted is not None:
+            return self._aborted_error(op)
         self._error = CollectiveError(
             f"{op} on group {self.group_name!r} was aborted on rank {self.rank}: {failure}"
         )
@@ -142,6 +152,12 @@ class GlooGroup(BaseGroup):
             raise TimeoutError(f"timed out waiting {timeout} for the op to complete")
         torch_work.wait()
 
+    def _interrupted(self, watched: bool) -> bool:
+        """Return whether a wait on a pending op would end at once (see ``WorkOwner``)."""
+        watch = self._watch
+        reported = watched and watch is not None and watch.failure is not None
+        return self._aborted is not None or reported
+
     def _failure(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         if is_timeout(exc):
             return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, str(exc))
@@ -155,31 +171,26 @@ class GlooGroup(BaseGroup):
         options: Any,
         start: Callable[[timedelta | None], Any],
         finish: Callable[[], None] = lambda: None,
-        p2p: bool = False,
+        completion: Completion = Completion.REPORTED,
     ) -> Work:
         """Start one gloo op with ``start(timeout)``; wait for it unless it is async.
 
         Collectives carry a per-call timeout in gloo's options (None keeps the
         group's) and end by themselves; point-to-point ops take it in ``wait``.
         ``finish`` runs once the op has succeeded, to write staged outputs back.
-        Any failure leaves the group unusable.
+        Any failure leaves the group unusable. Every op is tracked until it has
+        ended, so that ``abort`` knows whether any still runs.
         """
         if self._error is None and self._watch is not None and self._watch.failure is not None:
             self._abort(op, self._watch.failure)
-        self._check_usable(destroyed=self._pg is None)
         timeout = options.timeout or self.timeout
-        try:
-            torch_work = start(options.timeout)
-        except RuntimeError as exc:
-            raise self._fail(op, timeout, exc) from exc
-        work = GlooWork(
-            lambda t, exc: self._fail(op, t, exc),
-            lambda w, t: self._wait(op, w, t),
-            torch_work,
-            timeout,
-            finish,
-            p2p,
-        )
+        with self._in_flight.lock:
+            self._check_usable(destroyed=self._pg is None)
+            try:
+                work = GlooWork(self, op, start(options.timeout), timeout, finish, completion)
+            except RuntimeError as exc:
+                raise self._fail(op, timeout, exc) from exc
+            self._in_flight.add(work)
         if not options.async_op:
             work.wait()
         return work
@@ -287,7 +298,7 @@ class GlooGroup(BaseGroup):
             "send",
             options,
             lambda _: self._pg.send([buf.tensor], options.dst_rank, _P2P_TAG),
-            p2p=True,
+            completion=Completion.DIRECT_WAIT,
         )
 
     def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
@@ -298,7 +309,7 @@ class GlooGroup(BaseGroup):
             options,
             lambda _: self._pg.recv([buf.tensor], options.src_rank, _P2P_TAG),
             buf.commit,
-            p2p=True,
+            Completion.DIRECT_WAIT,
         )
 
     def gather(
@@ -379,13 +390,30 @@ class GlooGroup(BaseGroup):
             finish,
         )
 
-    def destroy_group(self) -> None:
-        """Drop the process group and the TCPStore; their threads and sockets close.
+    def abort(self, reason: str) -> None:
+        """End every op pending on this rank at once by closing this rank's gloo connections.
 
-        Returns at once, even with ops given up on after a failure still in gloo.
+        Only when an op may still run in gloo (blocked in another thread, async and
+        unfinished, or given up on after a failure): the other ranks are told
+        ``reason`` through their abort keys, then every connection of this rank
+        closes, which fails each such op here at once (it then raises ``reason``)
+        and the other ranks' ops with this rank.
         """
-        pg, self._pg, self._tcp_store = self._pg, None, None
+        super().abort(reason)
+        with self._in_flight.lock:
+            pg, running = self._pg, self._in_flight.running()
+        if running and pg is not None and self.world_size > 1:
+            if self._watch is not None:
+                self._watch.report(reason)
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            self._in_flight.close(pg, peers, running)
+
+    def destroy_group(self) -> None:
+        """Abort pending ops, then drop the process group and the TCPStore, at once."""
+        self.abort(f"group {self.group_name!r} was destroyed on rank {self.rank}")
+        with self._in_flight.lock:
+            pg, self._pg, self._tcp_store = self._pg, None, None
         self._scratch = None
         if self._watch is not None:
             self._watch.stop()
-            self._watch.release(pg)
+        del pg

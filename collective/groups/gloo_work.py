@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from enum import Enum
+from typing import Any, Protocol
 
 from collective.store import RendezvousStore
 from collective.tensor import CpuBuffer
-from collective.types import CollectiveError, ReduceOp
+from collective.types import DEFAULT_TIMEOUT, CollectiveError, ReduceOp
 from collective.work import OnceWork
 
 
@@ -29,12 +32,18 @@ def c10d() -> Any:
     return dist
 
 
+@functools.cache
+def _options_class(kind: str) -> Any:
+    """Return torch's ``<kind>Options`` class, looked up once per kind."""
+    return getattr(c10d().distributed_c10d, f"{kind}Options")
+
+
 def call_options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
     """Build torch's ``<kind>Options`` for one gloo call with ``timeout`` and ``fields``.
 
     With ``timeout`` None the call keeps gloo's default: the group's timeout.
     """
-    options = getattr(c10d().distributed_c10d, f"{kind}Options")()
+    options = _options_class(kind)()
     if timeout is not None:
         options.timeout = timeout
     for name, value in fields.items():
@@ -93,52 +102,115 @@ def commit_all(buffers: Sequence[CpuBuffer]) -> None:
         buffer.commit()
 
 
+class Completion(Enum):
+    """How the end of a gloo op becomes known without waiting on it."""
+
+    REPORTED = "reported"
+    """torch's handle turns ``is_completed`` by itself (most collectives)."""
+
+    WATCHED_WAIT = "watched_wait"
+    """Only a wait learns of the end (gloo's composite reduce_scatter); waited in watched slices."""
+
+    DIRECT_WAIT = "direct_wait"
+    """Only a wait on the handle itself, with the op's timeout (send, recv); never sliced."""
+
+
+_REPORTED = Completion.REPORTED
+_DIRECT_WAIT = Completion.DIRECT_WAIT
+
+
+class WorkOwner(Protocol):
+    """What a ``GlooWork`` needs from its group."""
+
+    @property
+    def group_name(self) -> str:
+        """Return the group's name."""
+
+    def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
+        """Turn a transport failure of ``op`` into the group's error."""
+
+    def _wait(self, op: str, torch_work: Any, timeout: timedelta | None) -> None:
+        """Wait for a collective; raise ``CollectiveError`` when another rank failed."""
+
+    @property
+    def _in_flight(self) -> InFlight:
+        """Return the group's tracked works."""
+
+    def _interrupted(self, watched: bool) -> bool:
+        """Return whether a wait on an op still pending here would end at once.
+
+        True after ``abort``; with ``watched``, also once another rank reported a failure.
+        """
+
+
 class GlooWork(OnceWork):
-    """A gloo op in flight; ``wait`` writes staged outputs back once it has succeeded."""
+    """A gloo op in flight; ``wait`` writes staged outputs back once it has succeeded.
+
+    torch reports the end of most gloo collectives by itself. Its reduce_scatter and
+    its send and recv learn of their end only inside a wait, so for those the first
+    poll (``is_completed`` or ``exception``) starts a thread that waits; a caller
+    that only calls ``wait`` never pays for that thread.
+    """
 
     def __init__(
         self,
-        fail: Callable[[timedelta, BaseException], CollectiveError],
-        wait: Callable[[Any, timedelta | None], None],
+        owner: WorkOwner,
+        op: str,
         torch_work: Any,
         timeout: timedelta,
         finish: Callable[[], None],
-        p2p: bool,
+        completion: Completion,
     ) -> None:
-        """Track ``torch_work``.
-
-        ``fail`` turns a transport failure into the group's error; ``wait`` waits
-        for a collective (and raises ``CollectiveError`` when another rank failed);
-        point-to-point ops wait on torch's handle directly.
-        """
-        super().__init__()
-        self._fail = fail
-        self._wait_collective = wait
+        """Track ``torch_work`` of ``op``; ``finish`` writes staged outputs back."""
+        super().__init__(timeout)
+        self._owner = owner
+        self._op = op
         self._torch_work = torch_work
-        self._timeout = timeout
         self._finish = finish
-        self._p2p = p2p
+        self._completion = completion
 
     def _complete(self, timeout: timedelta | None) -> None:
-        effective = timeout or self._timeout
+        effective = timeout or self._timeout or DEFAULT_TIMEOUT
         try:
-            if self._p2p:
+            if self._completion is _DIRECT_WAIT:
                 self._torch_work.wait(effective)
             else:
-                self._wait_collective(self._torch_work, timeout)
+                self._owner._wait(self._op, self._torch_work, timeout)
         except CollectiveError as exc:
             self._error = exc
-        except (RuntimeError, TimeoutError) as exc:
-            self._error = self._fail(effective, exc)
+        except TimeoutError as exc:
+            self._error = self._owner._fail(self._op, effective, exc)
+        except RuntimeError as exc:
+            self._error = self._owner._fail(self._op, effective, exc)
+            self._owner._in_flight.discard(self)
         else:
             self._finish()
+            self._owner._in_flight.discard(self)
         self._torch_work = None
-        self._finish = lambda: None
+        self._finish = _nothing
+
+    def _give_up(self, timeout: timedelta | None) -> BaseException:
+        effective = timeout or self._timeout or DEFAULT_TIMEOUT
+        expired = TimeoutError(f"timed out waiting {effective} for the op to complete")
+        return self._owner._fail(self._op, effective, expired)
+
+    def may_run(self) -> bool:
+        """Return whether the op may still be running in gloo; never blocks."""
+        torch_work = self._torch_work
+        reported = self._completion is _REPORTED and torch_work is not None
+        return not (reported and torch_work.is_completed())
 
     def is_completed(self) -> bool:
         """Return whether the op has finished, successfully or not."""
-        with self._lock:
-            return self._done or self._torch_work.is_completed()
+        torch_work = self._torch_work
+        if self._done or torch_work is None:
+            return True
+        if self._owner._interrupted(self._completion is not _DIRECT_WAIT):
+            return True
+        if self._completion is _REPORTED:
+            return torch_work.is_completed()
+        self._complete_in_background(f"collective-work-{self._owner.group_name}")
+        return self._done
 
     def exception(self) -> BaseException | None:
         """Return the op's failure once it has finished with one, else None."""
@@ -149,3 +221,80 @@ class GlooWork(OnceWork):
         except CollectiveError as exc:
             return exc
         return None
+
+    def join(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the thread a poll started, if any."""
+        self._join_background(seconds)
+
+
+def _nothing() -> None:
+    """Do nothing: the ``finish`` of an op with no staged output."""
+
+
+_PRUNE_AT = 64
+"""Tracked works past which those torch has reported finished are forgotten, at the next op."""
+
+_JOIN_S = 0.5
+"""The longest ``InFlight.close`` waits for the threads that complete polled works to end."""
+
+
+class InFlight:
+    """The works of one group whose ops may still run in gloo.
+
+    ``lock`` orders starting an op against closing the group: a group takes it
+    to start an op and track its work, and to look for running ones before it
+    closes its connections, so that no op starts unseen.
+    """
+
+    def __init__(self) -> None:
+        """Track no work."""
+        self.lock = threading.Lock()
+        self._works: set[GlooWork] = set()
+
+    def add(self, work: GlooWork) -> None:
+        """Track ``work`` until ``discard``; call with ``lock`` held."""
+        if len(self._works) >= _PRUNE_AT:
+            self._works = {w for w in list(self._works) if w.may_run()}
+        self._works.add(work)
+
+    def discard(self, work: GlooWork) -> None:
+        """Stop tracking ``work``: its op no longer runs in gloo; any thread, no lock."""
+        self._works.discard(work)
+
+    def running(self) -> list[GlooWork]:
+        """Return the works whose ops may still run; call with ``lock`` held."""
+        return [w for w in list(self._works) if w.may_run()]
+
+    def close(self, pg: Any, peers: Sequence[int], running: list[GlooWork]) -> None:
+        """End the ``running`` ops of ``pg`` at once, and the threads that wait on them."""
+        close_connections(pg, peers)
+        deadline = time.monotonic() + _JOIN_S
+        for work in running:
+            work.join(max(0.0, deadline - time.monotonic()))
+        self._works = set()
+
+
+CLOSE_TAG = 0x7FFFFFF0
+"""A point-to-point tag no op uses: the receive that closes a context's connections."""
+
+
+def close_connections(pg: Any, peers: Sequence[int]) -> None:
+    """Close every connection of ``pg``'s gloo context; every op running in it fails at once.
+
+    torch has no abort for gloo (``ProcessGroupGloo.abort`` does nothing, and
+    ``shutdown`` waits for running ops), but gloo treats a receive that the
+    application stops waiting for as fatal to its whole context: it closes every
+    pair, which fails every op pending on this rank, and the peers see their
+    connections to this rank close. So this posts a receive on a tag that no
+    sender uses and stops waiting after 1 ms, from the first of ``peers`` whose
+    connection is still open (a broken one fails the receive at once instead).
+    """
+    import torch
+
+    for peer in peers:
+        try:
+            probe = pg.recv([torch.empty(1, dtype=torch.uint8)], peer, CLOSE_TAG)
+            probe.wait(timedelta(milliseconds=1))
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                return

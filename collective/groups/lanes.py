@@ -159,6 +159,11 @@ class Lane:
                     self._busy = False
                     self._cond.notify_all()
 
+    def active(self) -> bool:
+        """Return whether an op runs on this lane or waits to."""
+        with self._cond:
+            return self._busy or bool(self._queue)
+
     def idle(self, seconds: float) -> bool:
         """Wait up to ``seconds`` until no op runs on this lane; return whether none does."""
         with self._cond:

@@ -48,6 +48,7 @@ from collective.groups.nccl_comm import (
     per_device,
     release_communicators,
     unavailable_reason,
+    wait_events,
 )
 from collective.groups.nccl_p2p import NcclPointToPoint
 from collective.store import RendezvousStore, meet
@@ -69,6 +70,9 @@ from collective.work import Work
 
 Call = Callable[[int, Any, int], None]
 """Issues device i's NCCL calls: ``call(i, communicator, comm_stream_handle)``."""
+
+_ABORT_GRACE = timedelta(seconds=0.5)
+"""How long ``abort`` lets kernels already launched finish before it aborts the communicators."""
 
 
 class NCCLGroup(NcclPointToPoint, BaseGroup):
@@ -129,6 +133,8 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
 
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         """Mark the group unusable after ``exc``, abort its communicators, return the error."""
+        if self._aborted is not None:
+            return self._aborted_error(op)
         if isinstance(exc, CollectiveError):
             error = exc
         elif isinstance(exc, TimeoutError):
@@ -373,12 +379,22 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         flat = [x for xs in tensor_lists for x in xs]
         return self._collective("reducescatter", options, tensors, call, [*tensors, *flat])
 
-    def destroy_group(self) -> None:
-        """Destroy every communicator and drop the streams; the group is unusable after.
+    def abort(self, reason: str) -> None:
+        """End this rank's ops; kernels still running after ``_ABORT_GRACE`` abort the comms."""
+        super().abort(reason)
+        with self._lock:
+            comms = [c for entry in self._comms.values() for c in entry]
+            events = [e for pending in self._inflight for e in pending[0]]
+        try:
+            finished = wait_events(events, comms, _ABORT_GRACE)
+        except RuntimeError:
+            finished = False
+        if not finished:
+            release_communicators(comms, [], False, self.timeout)
 
-        Ops still running are given the group's timeout to finish; communicators of a
-        failed group, or with ops that do not finish, are aborted instead.
-        """
+    def destroy_group(self) -> None:
+        """Abort what still runs (see ``abort``), destroy the communicators, drop the streams."""
+        self.abort(f"group {self.group_name!r} was destroyed on rank {self.rank}")
         with self._lock:
             self._destroyed = True
             comms = [c for entry in self._comms.values() for c in entry]

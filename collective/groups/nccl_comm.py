@@ -239,24 +239,25 @@ class NcclWork(OnceWork):
         self._comms = list(comms)
         self._finish: Callable[[], None] | None = finish
         self._fail = fail
-        self._timeout = timeout
+        self._op_timeout = timeout
 
     def _complete(self, timeout: timedelta | None) -> None:
-        timeout = timeout or self._timeout
+        limit = timeout or self._op_timeout
         try:
-            if not wait_events(self._events, self._comms, timeout):
+            if not wait_events(self._events, self._comms, limit):
                 raise TimeoutError("the NCCL kernels did not finish")
+            for comm in self._comms:
+                comm.check_async_error()
         except (RuntimeError, TimeoutError) as exc:
-            self._error = self._fail(self._op, timeout, exc)
+            self._error = self._fail(self._op, limit, exc)
         else:
             if self._finish is not None:
                 self._finish()
             self._finish = None
 
     def is_completed(self) -> bool:
-        """Return whether the op has finished, successfully or not."""
-        with self._lock:
-            return self._done or self._error is not None or all(e.done for e in self._events)
+        """Return whether the op has finished, successfully or not; never blocks."""
+        return self._done or self._error is not None or all(e.done for e in self._events)
 
     def exception(self) -> BaseException | None:
         """Return the op's failure once it has finished with one, else None."""
@@ -267,7 +268,7 @@ class NcclWork(OnceWork):
                 comm.check_async_error()
         except RuntimeError as exc:
             with self._lock:
-                self._error = self._fail(self._op, self._timeout, exc)
+                self._error = self._fail(self._op, self._op_timeout, exc)
             return self._error
         return None
 

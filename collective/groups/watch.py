@@ -6,7 +6,8 @@ timeout: gloo's pending receives are not woken when another pair closes. So a
 rank that sees a failure writes it under every other rank's abort key in the
 group's rendezvous store, and each rank keeps one thread blocked on its own key.
 When the key is set, the thread records the failure, and every wait of that
-rank's ops sees it within one wait slice (50 ms).
+rank's ops sees it within one wait slice (50 ms). Any text but the stop marker
+under a rank's key counts as a failure report, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -40,17 +41,6 @@ def abort_key(rank: int) -> str:
     return f"abort/{rank}"
 
 
-def _release(holder: list[Any], abandoned: list[Any]) -> None:
-    """Wait for the ``abandoned`` torch works to end, then drop what ``holder`` holds."""
-    for work in abandoned:
-        try:
-            work.wait()
-        except RuntimeError:
-            pass
-    abandoned.clear()
-    holder.clear()
-
-
 def _waited(work: Any, seconds: float) -> bool:
     """Wait up to ``seconds`` for the torch ``work``; return whether it has finished.
 
@@ -77,7 +67,6 @@ class FailureWatch:
         self._rank = rank
         self._world_size = world_size
         self._failure: str | None = None
-        self._abandoned: list[Any] = []
         self._stopped = False
         self._thread = threading.Thread(
             target=self._watch, name=f"collective-watch-{group_name}", daemon=True
@@ -124,7 +113,9 @@ class FailureWatch:
 
         Returns:
             Whether ``work`` finished (well or not; its ``wait`` then returns or
-            raises at once), and the failure another rank reported, if any.
+            raises at once), and the failure another rank reported, if any. A
+            work that did not finish still runs in gloo until its own timeout,
+            or until the group closes its connections.
 
         """
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
@@ -133,19 +124,7 @@ class FailureWatch:
             if left > 0 and _waited(work, left):
                 return True, None
             if self._failure is not None or (deadline is not None and time.monotonic() >= deadline):
-                self._abandoned.append(work)
                 return False, self._failure
-
-    def release(self, pg: Any) -> None:
-        """Drop the process group ``pg`` now, or once the ops this rank gave up on end.
-
-        A wait given up on leaves its op running in gloo until the op's timeout,
-        and dropping the process group joins gloo's threads with the GIL held. So
-        the last reference then goes to a daemon thread that waits for those ops.
-        """
-        abandoned, self._abandoned = self._abandoned, []
-        if abandoned:
-            threading.Thread(target=_release, args=([pg], abandoned), daemon=True).start()
 
     def stop(self) -> None:
         """End the watch thread; the group no longer hears of other ranks' failures."""
