@@ -41,14 +41,20 @@ def pair(ray_cluster: None) -> Iterator[list[Any]]:
         ray.kill(actor)
 
 
+PROCESS_THREADS = {"collective-notices"}
+"""Library threads of the process, not of a group: the notices listener lives as
+long as the namespace's store actor, which outlives any one group."""
+
+
 def _usage() -> tuple[list[str], list[str]]:
-    """Return this actor's listening sockets and the names of its library threads."""
+    """Return this actor's listening sockets and the names of its groups' threads."""
     listening = sorted(
         f"{c.laddr.ip}:{c.laddr.port}"
         for c in psutil.Process().net_connections(kind="inet")
         if c.status == psutil.CONN_LISTEN
     )
-    return listening, sorted(t.name for t in threading.enumerate() if "collective" in t.name)
+    threads = (t.name for t in threading.enumerate() if t.name not in PROCESS_THREADS)
+    return listening, sorted(name for name in threads if "collective" in name)
 
 
 def _init(rank: int, name: str) -> tuple[list[str], list[str]]:

@@ -23,6 +23,10 @@ from tests.conftest import RAY_TIMEOUT_S, run_all, unique_name
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
+EAGER_LIMIT_BYTES = 1 << 20
+"""More than a pair's mailboxes hold: a send this long waits for its receiver on
+shared memory too, where a shorter one completes before the receive is posted."""
+
 POLL_LIMIT_S = 20.0
 """How long a poll may take before the op counts as never completing."""
 
@@ -147,7 +151,7 @@ def _failing(rank: int, name: str, op: str) -> tuple[bool, str | None, float]:
             time.sleep(3.0)
             return True, None, 0.0
         short = timedelta(seconds=1)
-        x = np.ones(4)
+        x = np.ones(4) if op != "send" else np.ones(EAGER_LIMIT_BYTES // 8 + 1)
         start = time.monotonic()
         if op == "allreduce":
             work = col.allreduce(x, name, timeout=short, async_op=True)
