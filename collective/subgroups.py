@@ -18,6 +18,7 @@ from typing import Any
 from collective import checks, lifecycle
 from collective.groups.base import BaseGroup
 from collective.store import PrefixedRendezvousStore
+from collective.types import ArgumentTypeError, ArgumentValueError
 
 _RANKS_KEY = "ranks"
 """Key under which the subgroup's first rank publishes the rank list, for the others to compare."""
@@ -37,14 +38,13 @@ def _next_call(parent: BaseGroup) -> int:
 def check_subset(ranks: Any, world_size: int) -> list[int]:
     """Return ``ranks`` as a list if it names distinct ranks of a group of ``world_size``."""
     if not isinstance(ranks, (list, tuple)):
-        raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
+        raise ArgumentTypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
     if not ranks:
-        raise ValueError("ranks must name at least one rank, got []")
-    for i, rank in enumerate(ranks):
-        checks.check_int(rank, f"ranks[{i}]")
+        raise ArgumentValueError("ranks must name at least one rank, got []")
+    ranks = [checks.check_int(rank, f"ranks[{i}]") for i, rank in enumerate(ranks)]
     outside = [r for r in ranks if not 0 <= r < world_size]
     if outside or len(set(ranks)) != len(ranks):
-        raise ValueError(
+        raise ArgumentValueError(
             f"ranks must be distinct ranks of the parent group, in [0, {world_size}), "
             f"got {list(ranks)}"
         )
@@ -119,7 +119,7 @@ def _check_same_ranks(
         return
     first = store.get(_RANKS_KEY, timeout)
     if first != mine:
-        raise ValueError(
+        raise ArgumentValueError(
             "every member must pass the same ranks to new_group: the first member passed "
             f"{json.loads(first)}, this rank passed {ranks}"
         )
