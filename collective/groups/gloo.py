@@ -24,6 +24,7 @@ from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
     AllToAllOptions,
+    ArgumentValueError,
     Backend,
     BarrierOptions,
     BroadcastOptions,
@@ -74,6 +75,7 @@ class GlooGroup(BaseGroup):
         self._tcp_store: Any = None
         self._pg: Any = None
         self._watch: FailureWatch | None = None
+        self._ops = 0
         dist = c10d()
         try:
             self._tcp_store = connect_tcp_store(store, rank, host, timeout)
@@ -84,7 +86,7 @@ class GlooGroup(BaseGroup):
             prefix = "/".join(p for p in (group_name, store.incarnation) if p)
             prefixed = dist.PrefixStore(f"{prefix}/", self._tcp_store)
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-            self._watch = FailureWatch(store, rank, world_size, group_name)
+            self._watch = FailureWatch(store, rank, world_size, group_name, lambda: self._ops)
         except TimeoutError as exc:
             self.destroy_group()
             raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
@@ -106,9 +108,11 @@ class GlooGroup(BaseGroup):
             return False
         return True
 
-    def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
-        """Mark the group unusable after ``exc`` and return the error to raise."""
-        self._error = self._failure(op, timeout, exc)
+    def _fail(
+        self, op: str, timeout: timedelta, exc: BaseException, number: int = 0
+    ) -> CollectiveError:
+        """Mark the group unusable after ``exc`` in collective ``number`` and return the error."""
+        self._error = self._failure(op, timeout, exc, number)
         if self._watch is not None:
             self._watch.report(str(self._error))
         return self._error
@@ -137,9 +141,14 @@ class GlooGroup(BaseGroup):
             raise TimeoutError(f"timed out waiting {timeout} for the op to complete")
         torch_work.wait()
 
-    def _failure(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
+    def _failure(
+        self, op: str, timeout: timedelta, exc: BaseException, number: int = 0
+    ) -> CollectiveError:
         if is_timeout(exc):
-            return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, str(exc))
+            detail = str(exc)
+            if number and self._watch is not None:
+                detail = f"{detail}; {self._watch.progress(number)}"
+            return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
         return CollectiveError(
             f"{op} on group {self.group_name!r} failed on rank {self.rank}: {exc}"
         )
@@ -163,12 +172,16 @@ class GlooGroup(BaseGroup):
             self._abort(op, self._watch.failure)
         self._check_usable(destroyed=self._pg is None)
         timeout = options.timeout or self.timeout
+        number = 0
+        if not p2p:
+            self._ops += 1
+            number = self._ops
         try:
             torch_work = start(options.timeout)
         except RuntimeError as exc:
-            raise self._fail(op, timeout, exc) from exc
+            raise self._fail(op, timeout, exc, number) from exc
         work = GlooWork(
-            lambda t, exc: self._fail(op, t, exc),
+            lambda t, exc: self._fail(op, t, exc, number),
             lambda w, t: self._wait(op, w, t),
             torch_work,
             timeout,
@@ -182,13 +195,17 @@ class GlooGroup(BaseGroup):
     @staticmethod
     def _one(tensors: Sequence[Any], name: str, writable: bool) -> CpuBuffer:
         if len(tensors) != 1:
-            raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
+            raise ArgumentValueError(
+                f"the gloo backend takes one {name} per rank, got {len(tensors)}"
+            )
         return CpuBuffer(tensors[0], name, writable)
 
     @staticmethod
     def _list(tensor_lists: Sequence[Sequence[Any]], name: str, writable: bool) -> list[CpuBuffer]:
         if len(tensor_lists) != 1:
-            raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensor_lists)}")
+            raise ArgumentValueError(
+                f"the gloo backend takes one {name} per rank, got {len(tensor_lists)}"
+            )
         return [CpuBuffer(t, f"{name}[{i}]", writable) for i, t in enumerate(tensor_lists[0])]
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
