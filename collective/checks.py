@@ -34,7 +34,7 @@ with the name and a 34-byte incarnation prefix, and the TCPStore drops the conne
 on a key of 8192 bytes or more; the rest is left for gloo's own key suffixes."""
 
 
-class checking:  # noqa: N801 - used as a context manager, like a function
+class ArgumentGuard:
     """Run an op's local argument checks; on a checked group, agree on their failure.
 
     On a group built with ``check_args=True``, an argument error raised inside the
@@ -64,6 +64,11 @@ class checking:  # noqa: N801 - used as a context manager, like a function
         if isinstance(error, ArgumentError) and isinstance(self._group, CheckedGroup):
             self._group.refuse(self._op, error, self._peer)
         return False
+
+
+def checking(group: BaseGroup, op: str, peer: int | None = None) -> ArgumentGuard:
+    """Return the guard that an op's argument checks run in, as a context manager."""
+    return ArgumentGuard(group, op, peer)
 
 
 def check_int(value: Any, name: str) -> int:

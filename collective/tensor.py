@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from collective import objectstore
 from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError
 
 DTYPES = frozenset(
@@ -206,64 +204,21 @@ def write_hazards(x: Any) -> int:
     hazards = GRAD_LEAF if x.requires_grad and x.is_leaf else 0
     if not x.is_contiguous() and self_overlapping(x):
         hazards |= OVERLAPPING
-    if x.is_cpu and _object_store.holds(x):
+    if x.is_cpu and _in_object_store(x):
         hazards |= READ_ONLY
     return hazards
 
 
-class _ObjectStoreMappings:
-    """The address ranges where Ray's object store is mapped into this process.
+def _in_object_store(x: Any) -> bool:
+    """Return whether the CPU torch tensor ``x`` lies in Ray's object store in this process.
 
-    Read from ``/proc/self/maps`` (Linux): the shared-memory files Ray's store
-    allocates from are named ``plasma...``. A tensor whose memory torch allocated
-    itself (a resizable storage) is never inside one. The ranges are read again
-    when a tensor over foreign memory (``torch.from_numpy``) lies outside them, at
-    most once per ``REFRESH_S``: a process maps a store file once, when it first
-    gets an object from it.
+    Torch allocates a resizable storage itself, never there; only a tensor over foreign
+    memory (``torch.from_numpy``) may make the mappings be read again.
     """
-
-    REFRESH_S = 0.1
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._read_at = -self.REFRESH_S
-
-    def holds(self, x: Any) -> bool:
-        """Return whether the CPU torch tensor ``x`` starts inside Ray's object store."""
-        address = x.data_ptr()
-        if self._within(address):
-            return True
-        if x.untyped_storage().resizable() or time.monotonic() - self._read_at < self.REFRESH_S:
-            return False
-        with self._lock:
-            self._read_at = time.monotonic()
-            self._starts, self._ends = _plasma_ranges()
-        return self._within(address)
-
-    def _within(self, address: int) -> bool:
-        i = bisect.bisect_right(self._starts, address) - 1
-        return i >= 0 and address < self._ends[i]
-
-
-def _plasma_ranges() -> tuple[list[int], list[int]]:
-    """Return the sorted start and end addresses of this process's Ray object store mappings."""
-    ranges = []
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and "/plasma" in fields[5]:
-                    low, high = fields[0].split("-")
-                    ranges.append((int(low, 16), int(high, 16)))
-    except OSError:
-        return [], []
-    ranges.sort()
-    return [low for low, _ in ranges], [high for _, high in ranges]
-
-
-_object_store = _ObjectStoreMappings()
+    address = x.data_ptr()
+    if objectstore.holds(address):
+        return True
+    return not x.untyped_storage().resizable() and objectstore.holds(address, reread=True)
 
 
 class _WritableInterface:

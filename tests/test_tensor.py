@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import mmap
+import time
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
+from collective import objectstore
 from collective.tensor import (
     DTYPES,
     GRAD_LEAF,
@@ -354,3 +359,22 @@ def test_spec_errors_are_runtime_errors_too() -> None:
     with pytest.raises(RuntimeError) as info:
         spec([1.0, 2.0], "x")
     assert isinstance(info.value, TypeError) and isinstance(info.value, ArgumentTypeError)
+
+
+def test_torch_tensor_over_a_plasma_mapping_is_read_only(tmp_path: Any) -> None:
+    """A file mapped under Ray's object store name stands in for the store itself."""
+    path = tmp_path / "plasmaTEST"
+    path.write_bytes(bytes(4096))
+    with path.open("r+b") as file:
+        mapped = mmap.mmap(file.fileno(), 4096)
+    try:
+        array = np.frombuffer(mapped, dtype=np.float32)
+        inside = torch.from_numpy(array)
+        time.sleep(objectstore.REFRESH_S)  # the mappings are read again at most this often
+        assert objectstore.holds(inside.data_ptr(), reread=True)
+        assert write_hazards(inside[8:]) == READ_ONLY
+        assert write_hazards(torch.from_numpy(np.ones(4, np.float32))) == 0
+        assert write_hazards(torch.ones(4)) == 0
+        del array, inside
+    finally:
+        mapped.close()
