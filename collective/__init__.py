@@ -41,6 +41,9 @@ from collective.multigpu import (
 from collective.registry import register_collective_backend
 from collective.subgroups import new_group
 from collective.types import (
+    ArgumentError,
+    ArgumentTypeError,
+    ArgumentValueError,
     Backend,
     CollectiveError,
     CollectiveTimeoutError,
@@ -52,6 +55,9 @@ from collective.work import Work
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "Backend",
     "BaseGroup",
     "CollectiveError",

@@ -1,7 +1,9 @@
 """The collective ops; each looks up its group, checks its arguments, then calls the group.
 
 Every op writes its result into the caller's buffers in place and returns None,
-as in ``ray.util.collective``. Every op also takes a keyword-only ``timeout``
+as in ``ray.util.collective``. Its argument checks run before anything is sent;
+on a group with ``check_args=True`` one rank's argument error is raised on every
+rank of the op. Every op also takes a keyword-only ``timeout``
 (a ``timedelta``) that overrides the group's default for this call, and
 ``async_op``: with True the op returns a ``Work`` at once, and its buffers must
 not be touched until ``Work.wait`` has returned.
@@ -13,7 +15,9 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks
+from collective.checks import checking
 from collective.lifecycle import get_group_handle
+from collective.outputs import check_written, unalias_output
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -47,9 +51,11 @@ def allreduce(
 
     """
     group = get_group_handle(group_name)
-    spec = checks.check_tensor(group, tensor, "tensor")
-    op = checks.check_reduce_op(group, op, spec)
-    options = AllReduceOptions(op, *checks.check_call(timeout, async_op))
+    with checking(group, "allreduce"):
+        spec = checks.check_tensor(group, tensor, "tensor")
+        op = checks.check_reduce_op(group, op, spec)
+        options = AllReduceOptions(op, *checks.check_call(timeout, async_op))
+        check_written(group, [("tensor", tensor)])
     return issued(group.allreduce([tensor], options), async_op)
 
 
@@ -58,7 +64,8 @@ def barrier(
 ) -> Work | None:
     """Block until every rank of the group has called ``barrier``."""
     group = get_group_handle(group_name)
-    options = BarrierOptions(*checks.check_call(timeout, async_op))
+    with checking(group, "barrier"):
+        options = BarrierOptions(*checks.check_call(timeout, async_op))
     return issued(group.barrier(options), async_op)
 
 
@@ -77,10 +84,12 @@ def reduce(
     ``tensor`` is left exactly as it was.
     """
     group = get_group_handle(group_name)
-    spec = checks.check_tensor(group, tensor, "tensor")
-    checks.check_rank(dst_rank, group.world_size, "dst_rank")
-    op = checks.check_reduce_op(group, op, spec)
-    options = ReduceOptions(op, dst_rank, 0, *checks.check_call(timeout, async_op))
+    with checking(group, "reduce"):
+        spec = checks.check_tensor(group, tensor, "tensor")
+        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
+        op = checks.check_reduce_op(group, op, spec)
+        options = ReduceOptions(op, dst_rank, 0, *checks.check_call(timeout, async_op))
+        check_written(group, [("tensor", tensor)] if group.rank == dst_rank else [])
     return issued(group.reduce([tensor], options), async_op)
 
 
@@ -97,9 +106,11 @@ def broadcast(
     The tensors must agree in shape and dtype across ranks; ``src_rank``'s is only read.
     """
     group = get_group_handle(group_name)
-    checks.check_tensor(group, tensor, "tensor")
-    checks.check_rank(src_rank, group.world_size, "src_rank")
-    options = BroadcastOptions(src_rank, 0, *checks.check_call(timeout, async_op))
+    with checking(group, "broadcast"):
+        checks.check_tensor(group, tensor, "tensor")
+        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
+        options = BroadcastOptions(src_rank, 0, *checks.check_call(timeout, async_op))
+        check_written(group, [("tensor", tensor)] if group.rank != src_rank else [])
     return issued(group.broadcast([tensor], options), async_op)
 
 
@@ -124,10 +135,13 @@ def allgather(
 
     """
     group = get_group_handle(group_name)
-    spec = checks.check_tensor(group, tensor, "tensor")
-    outputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
-    checks.check_disjoint([(f"tensor_list[{i}]", t) for i, t in enumerate(outputs)])
-    options = AllGatherOptions(*checks.check_call(timeout, async_op))
+    with checking(group, "allgather"):
+        spec = checks.check_tensor(group, tensor, "tensor")
+        outputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
+        named = [(f"tensor_list[{i}]", t) for i, t in enumerate(outputs)]
+        checks.check_disjoint(named)
+        options = AllGatherOptions(*checks.check_call(timeout, async_op))
+        check_written(group, named)
     return issued(group.allgather([outputs], [tensor], options), async_op)
 
 
@@ -146,7 +160,9 @@ def reducescatter(
         tensor: this rank's result buffer; written in place.
         tensor_list: world-size buffers of ``tensor``'s shape and dtype, or one
             contiguous buffer of world size x ``tensor``'s elements; only read,
-            never modified (unlike ``ray.util.collective``).
+            never modified (unlike ``ray.util.collective``). ``tensor`` may be one
+            of them, as in ``reducescatter(chunks[rank], chunks)``: then that one
+            receives the result and the others stay unchanged.
         group_name: the group.
         op: the reduction; AVG takes floating-point tensors, BAND/BOR/BXOR integer and bool.
         timeout: overrides the group's timeout for this call.
@@ -154,13 +170,13 @@ def reducescatter(
 
     """
     group = get_group_handle(group_name)
-    spec = checks.check_tensor(group, tensor, "tensor")
-    inputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
-    checks.check_disjoint(
-        [("tensor", tensor)], [(f"tensor_list[{i}]", t) for i, t in enumerate(inputs)]
-    )
-    op = checks.check_reduce_op(group, op, spec)
-    options = ReduceScatterOptions(op, *checks.check_call(timeout, async_op))
+    with checking(group, "reducescatter"):
+        spec = checks.check_tensor(group, tensor, "tensor")
+        inputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
+        op = checks.check_reduce_op(group, op, spec)
+        options = ReduceScatterOptions(op, *checks.check_call(timeout, async_op))
+        check_written(group, [("tensor", tensor)])
+        inputs = unalias_output(tensor, inputs, "tensor", "tensor_list")
     return issued(group.reducescatter([tensor], [inputs], options), async_op)
 
 
@@ -177,9 +193,10 @@ def send(
     Ranks are the group's own ranks. Each send is matched by one ``recv`` on the peer.
     """
     group = get_group_handle(group_name)
-    checks.check_tensor(group, tensor, "tensor")
-    checks.check_peer(dst_rank, group, "dst_rank")
-    options = SendOptions(dst_rank, 0, 0, *checks.check_call(timeout, async_op))
+    dst_rank = checks.check_peer(dst_rank, group, "dst_rank")
+    with checking(group, "send", dst_rank):
+        checks.check_tensor(group, tensor, "tensor")
+        options = SendOptions(dst_rank, 0, 0, *checks.check_call(timeout, async_op))
     return issued(group.send([tensor], options), async_op)
 
 
@@ -193,7 +210,9 @@ def recv(
 ) -> Work | None:
     """Receive into ``tensor``, in place, what ``src_rank`` of the group sends."""
     group = get_group_handle(group_name)
-    checks.check_tensor(group, tensor, "tensor")
-    checks.check_peer(src_rank, group, "src_rank")
-    options = RecvOptions(src_rank, 0, 0, *checks.check_call(timeout, async_op))
+    src_rank = checks.check_peer(src_rank, group, "src_rank")
+    with checking(group, "recv", src_rank):
+        checks.check_tensor(group, tensor, "tensor")
+        options = RecvOptions(src_rank, 0, 0, *checks.check_call(timeout, async_op))
+        check_written(group, [("tensor", tensor)])
     return issued(group.recv([tensor], options), async_op)

@@ -1,66 +1,132 @@
-"""Argument checks shared by the public functions; each raises before any communication."""
+"""Argument checks shared by the public functions; each raises before any communication.
+
+Every check raises an ``ArgumentValueError`` or ``ArgumentTypeError``: a
+``ValueError`` or ``TypeError`` that is also a ``RuntimeError``. An op runs its
+checks inside ``checking(group, op)``: on a group built with ``check_args=True``
+an argument error of one rank is then raised on every rank alike.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from datetime import timedelta
+from types import TracebackType
 from typing import Any
-
-import numpy as np
 
 from collective import tensor
 from collective.groups.base import BaseGroup
+from collective.signature import CheckedGroup
 from collective.tensor import TensorSpec
-from collective.types import CpuTransport, GroupOptions, ReduceOp
+from collective.types import (
+    ArgumentError,
+    ArgumentTypeError,
+    ArgumentValueError,
+    CpuTransport,
+    GroupOptions,
+    ReduceOp,
+)
+
+MAX_GROUP_NAME_BYTES = 8000
+"""The longest group name, in UTF-8 bytes. Gloo's keys in the group's TCPStore start
+with the name and a 34-byte incarnation prefix, and the TCPStore drops the connection
+on a key of 8192 bytes or more; the rest is left for gloo's own key suffixes."""
+
+
+class ArgumentGuard:
+    """Run an op's local argument checks; on a checked group, agree on their failure.
+
+    On a group built with ``check_args=True``, an argument error raised inside the
+    block is sent to the other ranks through the signature exchange they are
+    about to make for the same op, and every rank raises the same error. On other
+    groups the error is raised on this rank only.
+    """
+
+    __slots__ = ("_group", "_op", "_peer")
+
+    def __init__(self, group: BaseGroup, op: str, peer: int | None = None) -> None:
+        """Guard the checks of ``op`` on ``group``; ``peer`` is the other end of a send/recv."""
+        self._group = group
+        self._op = op
+        self._peer = peer
+
+    def __enter__(self) -> None:
+        """Start the checks."""
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Raise an argument error on every rank of a checked group; else let it pass."""
+        if isinstance(error, ArgumentError) and isinstance(self._group, CheckedGroup):
+            self._group.refuse(self._op, error, self._peer)
+
+
+def checking(group: BaseGroup, op: str, peer: int | None = None) -> ArgumentGuard:
+    """Return the guard that an op's argument checks run in, as a context manager."""
+    return ArgumentGuard(group, op, peer)
 
 
 def check_int(value: Any, name: str) -> int:
-    """Return ``value`` if it is an int (not a bool), else raise ``TypeError``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
+    """Return ``value`` as an int if it is one (a numpy integer too, but no bool)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
 
 
 def check_group_name(group_name: Any) -> str:
-    """Return ``group_name`` if it is a non-empty string."""
+    """Return ``group_name`` if it is a non-empty string the group's store can carry."""
     if not isinstance(group_name, str):
-        raise TypeError(f"group_name must be a str, got {type(group_name).__name__}")
+        raise ArgumentTypeError(f"group_name must be a str, got {type(group_name).__name__}")
     if not group_name:
-        raise ValueError("group_name must be a non-empty string")
+        raise ArgumentValueError("group_name must be a non-empty string")
+    if len(group_name) * 4 > MAX_GROUP_NAME_BYTES:
+        size = len(group_name.encode(errors="surrogatepass"))
+        if size > MAX_GROUP_NAME_BYTES:
+            raise ArgumentValueError(
+                f"group_name must be at most {MAX_GROUP_NAME_BYTES} bytes in UTF-8, got {size}: "
+                "the keys of the group's store carry it"
+            )
     return group_name
 
 
 def check_world_size(world_size: Any) -> int:
-    """Return ``world_size`` if it is an int of at least 1."""
-    if check_int(world_size, "world_size") < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    """Return ``world_size`` as an int if it is one of at least 1."""
+    world_size = check_int(world_size, "world_size")
+    if world_size < 1:
+        raise ArgumentValueError(f"world_size must be at least 1, got {world_size}")
     return world_size
 
 
 def check_rank(rank: Any, world_size: int, name: str = "rank") -> int:
-    """Return ``rank`` if it lies in ``[0, world_size)``."""
-    if not 0 <= check_int(rank, name) < world_size:
-        raise ValueError(f"{name} must be in [0, {world_size}), got {rank}")
+    """Return ``rank`` as an int if it lies in ``[0, world_size)``."""
+    rank = check_int(rank, name)
+    if not 0 <= rank < world_size:
+        raise ArgumentValueError(f"{name} must be in [0, {world_size}), got {rank}")
     return rank
 
 
 def check_peer(rank: Any, group: BaseGroup, name: str) -> int:
-    """Return a peer rank for send/recv: in range and not this rank."""
-    check_rank(rank, group.world_size, name)
+    """Return a peer rank for send/recv as an int: in range and not this rank."""
+    rank = check_rank(rank, group.world_size, name)
     if rank == group.rank:
-        raise ValueError(f"{name} must name another rank, got this rank ({rank})")
+        raise ArgumentValueError(f"{name} must name another rank, got this rank ({rank})")
     return rank
 
 
 def check_permutation(ranks: Any, world_size: int) -> list[int]:
-    """Return ``ranks`` as a list if it is a permutation of ``range(world_size)``."""
+    """Return ``ranks`` as a list of ints if it is a permutation of ``range(world_size)``."""
     if not isinstance(ranks, (list, tuple)):
-        raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
-    for i, rank in enumerate(ranks):
-        check_int(rank, f"ranks[{i}]")
+        raise ArgumentTypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
+    ranks = [check_int(rank, f"ranks[{i}]") for i, rank in enumerate(ranks)]
     if sorted(ranks) != list(range(world_size)):
-        raise ValueError(f"ranks must be a permutation of 0..{world_size - 1}, got {list(ranks)}")
-    return list(ranks)
+        raise ArgumentValueError(f"ranks must be a permutation of 0..{world_size - 1}, got {ranks}")
+    return ranks
 
 
 def check_timeout(timeout: Any) -> timedelta | None:
@@ -68,16 +134,29 @@ def check_timeout(timeout: Any) -> timedelta | None:
     if timeout is None:
         return None
     if not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+        raise ArgumentTypeError(
+            f"timeout must be a datetime.timedelta, got {type(timeout).__name__}"
+        )
     if timeout <= timedelta(0):
-        raise ValueError(f"timeout must be positive, got {timeout}")
+        raise ArgumentValueError(f"timeout must be positive, got {timeout}")
     return timeout
 
 
+def check_milliseconds(value: Any, name: str) -> timedelta:
+    """Return ``value``, a positive finite number of milliseconds (int or float), as a timedelta."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a number of ms, got {type(value).__name__}")
+    if not (math.isfinite(value) and float(value) > 0):
+        raise ArgumentValueError(f"{name} must be a positive number of ms, got {value}")
+    return timedelta(milliseconds=float(value))
+
+
 def check_tensor(group: BaseGroup, x: Any, name: str) -> TensorSpec:
-    """Return the spec of ``x`` if ``group``'s backend can use it."""
+    """Return the spec of ``x`` if ``group``'s backend can use it (GPU ones: contiguous)."""
     spec = tensor.spec(x, name)
     group.check_tensor(spec, name)
+    if group.device_type == "cuda" and not tensor.is_contiguous(x):
+        raise ArgumentValueError(f"{name} must be contiguous for NCCL; pass a contiguous copy")
     return spec
 
 
@@ -86,13 +165,15 @@ def check_tensor_list(
 ) -> list[Any]:
     """Return ``xs`` as a list of ``length`` buffers of ``like``'s shape and dtype."""
     if not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+        raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
     if len(xs) != length:
-        raise ValueError(f"{name} must hold {length} tensors (the world size), got {len(xs)}")
+        raise ArgumentValueError(
+            f"{name} must hold {length} tensors (the world size), got {len(xs)}"
+        )
     for i, x in enumerate(xs):
         spec = check_tensor(group, x, f"{name}[{i}]")
         if (spec.shape, spec.dtype) != (like.shape, like.dtype):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name}[{i}] is {spec.describe()} but must match tensor, {like.describe()}"
             )
     return list(xs)
@@ -108,19 +189,23 @@ def check_disjoint(
         others: ``(name, buffer)`` pairs that the op reads.
 
     Raises:
-        ValueError: two of the buffers overlap, naming both.
+        ArgumentValueError: two of the buffers overlap, naming both.
 
     """
-    for i, (name, x) in enumerate(outputs):
-        for other_name, other in list(outputs[:i]) + list(others):
-            if tensor.overlaps(x, other):
-                raise ValueError(f"{name} and {other_name} share memory; pass distinct buffers")
+    spans = [(name, tensor.memory_span(x)) for name, x in outputs]
+    other_spans = [(name, tensor.memory_span(x)) for name, x in others]
+    for i, (name, span) in enumerate(spans):
+        for other_name, other in spans[:i] + other_spans:
+            if tensor.spans_overlap(span, other):
+                raise ArgumentValueError(
+                    f"{name} and {other_name} share memory; pass distinct buffers"
+                )
 
 
 def check_bool(value: Any, name: str) -> bool:
-    """Return ``value`` if it is a bool, else raise ``TypeError``."""
+    """Return ``value`` if it is a bool."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
@@ -145,14 +230,14 @@ def check_outputs(group: BaseGroup, xs: Any, name: str, like: TensorSpec, length
     if not tensor.is_buffer(xs):
         return check_tensor_list(group, xs, name, like, length)
     spec = check_tensor(group, xs, name)
-    count = int(np.prod(like.shape, dtype=np.int64)) * length
-    if spec.dtype != like.dtype or int(np.prod(spec.shape, dtype=np.int64)) != count:
-        raise ValueError(
+    count = math.prod(like.shape) * length
+    if spec.dtype != like.dtype or math.prod(spec.shape) != count:
+        raise ArgumentValueError(
             f"{name} must be a list of {length} tensors or one tensor of {count} "
             f"{like.dtype} elements (world size x tensor), got {spec.describe()}"
         )
     if not tensor.is_contiguous(xs):
-        raise ValueError(f"{name} must be contiguous when passed as one flat tensor")
+        raise ArgumentValueError(f"{name} must be contiguous when passed as one flat tensor")
     return tensor.chunks(xs, length, like.shape)
 
 
@@ -162,18 +247,18 @@ def check_rooted_list(
     """Return the list a rooted op needs: ``xs`` on the root, nothing on other ranks.
 
     Raises:
-        ValueError: ``xs`` is missing on the root or given on another rank.
+        ArgumentValueError: ``xs`` is missing on the root or given on another rank.
 
     """
     if group.rank != root:
         if xs is not None:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name} must be None on ranks other than {root_name} ({root}), "
                 f"got {type(xs).__name__} on rank {group.rank}"
             )
         return []
     if xs is None:
-        raise ValueError(f"{name} is required on {root_name} ({root}), got None")
+        raise ArgumentValueError(f"{name} is required on {root_name} ({root}), got None")
     return check_outputs(group, xs, name, like, group.world_size)
 
 
@@ -181,26 +266,28 @@ def check_split_sizes(sizes: Any, rows: int, world_size: int, name: str) -> list
     """Return ``sizes``, or an even split of ``rows`` when None, as world-size row counts."""
     if sizes is None:
         if rows % world_size:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name} is None, so dim 0 ({rows}) must divide by the world size ({world_size})"
             )
         return [rows // world_size] * world_size
     if not isinstance(sizes, (list, tuple)):
-        raise TypeError(f"{name} must be a list of ints, got {type(sizes).__name__}")
+        raise ArgumentTypeError(f"{name} must be a list of ints, got {type(sizes).__name__}")
     if len(sizes) != world_size:
-        raise ValueError(f"{name} must hold {world_size} sizes (the world size), got {len(sizes)}")
-    for i, size in enumerate(sizes):
-        if check_int(size, f"{name}[{i}]") < 0:
-            raise ValueError(f"{name}[{i}] must be non-negative, got {size}")
+        raise ArgumentValueError(
+            f"{name} must hold {world_size} sizes (the world size), got {len(sizes)}"
+        )
+    sizes = [check_non_negative(size, f"{name}[{i}]") for i, size in enumerate(sizes)]
     if sum(sizes) != rows:
-        raise ValueError(f"{name} must sum to dim 0 of its tensor ({rows}), got {sum(sizes)}")
-    return list(sizes)
+        raise ArgumentValueError(
+            f"{name} must sum to dim 0 of its tensor ({rows}), got {sum(sizes)}"
+        )
+    return sizes
 
 
 def check_multigpu_group(group: BaseGroup, function: str) -> None:
     """Reject a ``*_multigpu`` call on a group whose backend does not drive GPUs."""
     if group.device_type != "cuda":
-        raise ValueError(
+        raise ArgumentValueError(
             f"{function} needs a group on GPUs (backend='nccl'), but group "
             f"{group.group_name!r} uses the {group.backend_name()} backend"
         )
@@ -209,25 +296,27 @@ def check_multigpu_group(group: BaseGroup, function: str) -> None:
 def check_gpu_tensor_list(group: BaseGroup, xs: Any, name: str) -> list[Any]:
     """Return ``xs`` as a list if it holds at least one tensor that ``group`` takes."""
     if not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+        raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
     if not xs:
-        raise ValueError(f"{name} must hold at least one tensor, got an empty list")
+        raise ArgumentValueError(f"{name} must hold at least one tensor, got an empty list")
     for i, x in enumerate(xs):
         check_tensor(group, x, f"{name}[{i}]")
     return list(xs)
 
 
 def check_index(value: Any, length: int, name: str) -> int:
-    """Return ``value`` if it is an int in ``[0, length)``."""
-    if not 0 <= check_int(value, name) < length:
-        raise ValueError(f"{name} must be in [0, {length}), got {value}")
+    """Return ``value`` as an int if it is one in ``[0, length)``."""
+    value = check_int(value, name)
+    if not 0 <= value < length:
+        raise ArgumentValueError(f"{name} must be in [0, {length}), got {value}")
     return value
 
 
 def check_non_negative(value: Any, name: str) -> int:
-    """Return ``value`` if it is an int of at least 0."""
-    if check_int(value, name) < 0:
-        raise ValueError(f"{name} must be at least 0, got {value}")
+    """Return ``value`` as an int if it is one of at least 0."""
+    value = check_int(value, name)
+    if value < 0:
+        raise ArgumentValueError(f"{name} must be at least 0, got {value}")
     return value
 
 

@@ -10,10 +10,18 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks
+from collective.checks import checking
 from collective.groups.base import BaseGroup
 from collective.lifecycle import get_group_handle
+from collective.outputs import check_written
 from collective.tensor import split_rows
-from collective.types import AllToAllOptions, GatherOptions, ScatterOptions
+from collective.types import (
+    AllToAllOptions,
+    ArgumentTypeError,
+    ArgumentValueError,
+    GatherOptions,
+    ScatterOptions,
+)
 from collective.work import Work, issued
 
 
@@ -40,15 +48,16 @@ def gather(
 
     """
     group = get_group_handle(group_name)
-    spec = checks.check_tensor(group, tensor, "tensor")
-    checks.check_rank(dst_rank, group.world_size, "dst_rank")
-    outputs = checks.check_rooted_list(
-        group, gather_list, "gather_list", spec, dst_rank, "dst_rank"
-    )
-    checks.check_disjoint(
-        [(f"gather_list[{i}]", t) for i, t in enumerate(outputs)], [("tensor", tensor)]
-    )
-    options = GatherOptions(dst_rank, *checks.check_call(timeout, async_op))
+    with checking(group, "gather"):
+        spec = checks.check_tensor(group, tensor, "tensor")
+        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
+        outputs = checks.check_rooted_list(
+            group, gather_list, "gather_list", spec, dst_rank, "dst_rank"
+        )
+        named = [(f"gather_list[{i}]", t) for i, t in enumerate(outputs)]
+        checks.check_disjoint(named, [("tensor", tensor)])
+        options = GatherOptions(dst_rank, *checks.check_call(timeout, async_op))
+        check_written(group, named)
     return issued(group.gather([outputs], [tensor], options), async_op)
 
 
@@ -75,15 +84,17 @@ def scatter(
 
     """
     group = get_group_handle(group_name)
-    spec = checks.check_tensor(group, tensor, "tensor")
-    checks.check_rank(src_rank, group.world_size, "src_rank")
-    inputs = checks.check_rooted_list(
-        group, scatter_list, "scatter_list", spec, src_rank, "src_rank"
-    )
-    checks.check_disjoint(
-        [("tensor", tensor)], [(f"scatter_list[{i}]", t) for i, t in enumerate(inputs)]
-    )
-    options = ScatterOptions(src_rank, *checks.check_call(timeout, async_op))
+    with checking(group, "scatter"):
+        spec = checks.check_tensor(group, tensor, "tensor")
+        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
+        inputs = checks.check_rooted_list(
+            group, scatter_list, "scatter_list", spec, src_rank, "src_rank"
+        )
+        checks.check_disjoint(
+            [("tensor", tensor)], [(f"scatter_list[{i}]", t) for i, t in enumerate(inputs)]
+        )
+        options = ScatterOptions(src_rank, *checks.check_call(timeout, async_op))
+        check_written(group, [("tensor", tensor)])
     return issued(group.scatter([tensor], [inputs], options), async_op)
 
 
@@ -109,10 +120,12 @@ def alltoall(
 
     """
     group = get_group_handle(group_name)
-    inputs, dtype = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
-    outputs, _ = _same_dtype_list(group, output_tensor_list, "output_tensor_list", dtype)
-    names = ("output_tensor_list", "input_tensor_list")
-    return _alltoall(group, outputs, inputs, names, timeout, async_op)
+    with checking(group, "alltoall"):
+        inputs, dtype = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
+        outputs, _ = _same_dtype_list(group, output_tensor_list, "output_tensor_list", dtype)
+        names = ("output_tensor_list", "input_tensor_list")
+        options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
+    return issued(group.alltoall(outputs, inputs, options), async_op)
 
 
 def alltoall_single(
@@ -139,22 +152,27 @@ def alltoall_single(
 
     """
     group = get_group_handle(group_name)
-    in_spec = checks.check_tensor(group, input, "input")
-    out_spec = checks.check_tensor(group, output, "output")
-    if (out_spec.dtype, out_spec.shape[1:]) != (in_spec.dtype, in_spec.shape[1:]) or not (
-        in_spec.shape and out_spec.shape
-    ):
-        raise ValueError(
-            "output and input must share dtype and every dim but the first, "
-            f"got output {out_spec.describe()} and input {in_spec.describe()}"
+    with checking(group, "alltoall"):
+        in_spec = checks.check_tensor(group, input, "input")
+        out_spec = checks.check_tensor(group, output, "output")
+        if (out_spec.dtype, out_spec.shape[1:]) != (in_spec.dtype, in_spec.shape[1:]) or not (
+            in_spec.shape and out_spec.shape
+        ):
+            raise ArgumentValueError(
+                "output and input must share dtype and every dim but the first, "
+                f"got output {out_spec.describe()} and input {in_spec.describe()}"
+            )
+        n = group.world_size
+        out_sizes = checks.check_split_sizes(
+            output_split_sizes, out_spec.shape[0], n, "output_split_sizes"
         )
-    n = group.world_size
-    out_sizes = checks.check_split_sizes(
-        output_split_sizes, out_spec.shape[0], n, "output_split_sizes"
-    )
-    in_sizes = checks.check_split_sizes(input_split_sizes, in_spec.shape[0], n, "input_split_sizes")
-    outputs, inputs = split_rows(output, out_sizes), split_rows(input, in_sizes)
-    return _alltoall(group, outputs, inputs, ("output", "input"), timeout, async_op)
+        in_sizes = checks.check_split_sizes(
+            input_split_sizes, in_spec.shape[0], n, "input_split_sizes"
+        )
+        outputs, inputs = split_rows(output, out_sizes), split_rows(input, in_sizes)
+        names = ("output", "input")
+        options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
+    return issued(group.alltoall(outputs, inputs, options), async_op)
 
 
 def _same_dtype_list(
@@ -162,30 +180,30 @@ def _same_dtype_list(
 ) -> tuple[list[Any], str]:
     """Return ``xs`` as world-size buffers of one dtype (``dtype`` when given), and the dtype."""
     if not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+        raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
     if len(xs) != group.world_size:
-        raise ValueError(
+        raise ArgumentValueError(
             f"{name} must hold {group.world_size} tensors (the world size), got {len(xs)}"
         )
     for i, x in enumerate(xs):
         spec = checks.check_tensor(group, x, f"{name}[{i}]")
         dtype = dtype or spec.dtype
         if spec.dtype != dtype:
-            raise ValueError(f"{name}[{i}] has dtype {spec.dtype}, but must be {dtype}")
+            raise ArgumentValueError(f"{name}[{i}] has dtype {spec.dtype}, but must be {dtype}")
     return list(xs), str(dtype)
 
 
-def _alltoall(
+def _alltoall_options(
     group: BaseGroup,
     outputs: list[Any],
     inputs: list[Any],
     names: tuple[str, str],
     timeout: timedelta | None,
     async_op: bool,
-) -> Work | None:
-    checks.check_disjoint(
-        [(f"{names[0]}[{i}]", t) for i, t in enumerate(outputs)],
-        [(f"{names[1]}[{i}]", t) for i, t in enumerate(inputs)],
-    )
+) -> AllToAllOptions:
+    """Check what both alltoall forms share and return the options of the call."""
+    named = [(f"{names[0]}[{i}]", t) for i, t in enumerate(outputs)]
+    checks.check_disjoint(named, [(f"{names[1]}[{i}]", t) for i, t in enumerate(inputs)])
     options = AllToAllOptions(*checks.check_call(timeout, async_op))
-    return issued(group.alltoall(outputs, inputs, options), async_op)
+    check_written(group, named)
+    return options

@@ -12,6 +12,8 @@ from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
 from collective.signature import CheckedGroup
 from collective.types import (
+    ArgumentTypeError,
+    ArgumentValueError,
     Backend,
     CollectiveError,
     CollectiveTimeoutError,
@@ -50,9 +52,7 @@ def _require_ray_worker(function: str) -> None:
 def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
     if checks.check_timeout(timeout) is not None:
         return timeout
-    if checks.check_int(gloo_timeout, "gloo_timeout") <= 0:
-        raise ValueError(f"gloo_timeout must be a positive number of ms, got {gloo_timeout}")
-    return timedelta(milliseconds=gloo_timeout)
+    return checks.check_milliseconds(gloo_timeout, "gloo_timeout")
 
 
 def _join_and_build(
@@ -170,7 +170,7 @@ def init_collective_group(
     rank: int,
     backend: Backend | str = Backend.NCCL,
     group_name: str = "default",
-    gloo_timeout: int = 30000,
+    gloo_timeout: float = 30000,
     *,
     timeout: timedelta | None = None,
     check_args: bool = False,
@@ -185,11 +185,13 @@ def init_collective_group(
         backend: ``"gloo"`` or ``"nccl"`` (any case), a ``Backend``, or the name of a
             backend registered with ``register_collective_backend``.
         group_name: the group's name, unique among live groups of the job.
-        gloo_timeout: the default timeout of the group's waits and ops, in ms, as in Ray.
+        gloo_timeout: the default timeout of the group's waits and ops, in ms (an int
+            or a float), as in Ray.
         timeout: the same as a ``timedelta``; it wins over ``gloo_timeout`` when given.
         check_args: before every op, compare the ranks' arguments (op, dtype, shape,
             root, reduce op) over the group and raise ``ValueError`` on every rank if
-            they differ. Costs one small allgather per op.
+            they differ, or if one rank's own argument checks failed. Costs one
+            small allgather per op.
         strict_buffers: refuse read-only output buffers (an actor argument, a
             ``ray.get`` result) with ``ValueError`` instead of writing them with a
             warning; None reads ``COLLECTIVE_STRICT_BUFFERS``.
@@ -206,7 +208,7 @@ def init_collective_group(
     """
     checks.check_group_name(group_name)
     world_size = checks.check_world_size(world_size)
-    checks.check_rank(rank, world_size)
+    rank = checks.check_rank(rank, world_size)
     backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
     check_args = checks.check_bool(check_args, "check_args")
@@ -227,7 +229,7 @@ def declare_collective_group(
     ranks: list[int],
     backend: Backend | str = Backend.NCCL,
     group_name: str = "default",
-    gloo_timeout: int = 30000,
+    gloo_timeout: float = 30000,
     *,
     timeout: timedelta | None = None,
     check_args: bool = False,
@@ -261,19 +263,23 @@ def declare_collective_group(
     checks.check_group_name(group_name)
     world_size = checks.check_world_size(world_size)
     if not isinstance(actors, (list, tuple)):
-        raise TypeError(f"actors must be a list of actor handles, got {type(actors).__name__}")
+        raise ArgumentTypeError(
+            f"actors must be a list of actor handles, got {type(actors).__name__}"
+        )
     if not isinstance(ranks, (list, tuple)) or len(actors) != len(ranks):
         got = len(ranks) if isinstance(ranks, (list, tuple)) else type(ranks).__name__
-        raise ValueError(f"ranks must hold one rank per actor ({len(actors)}), got {got}")
+        raise ArgumentValueError(f"ranks must hold one rank per actor ({len(actors)}), got {got}")
     ranks = checks.check_permutation(ranks, world_size)
     ray = _ray()
     ids = []
     for i, actor in enumerate(actors):
         if not isinstance(actor, ray.actor.ActorHandle):
-            raise TypeError(f"actors[{i}] must be a Ray actor handle, got {type(actor).__name__}")
+            raise ArgumentTypeError(
+                f"actors[{i}] must be a Ray actor handle, got {type(actor).__name__}"
+            )
         ids.append(actor._ray_actor_id.hex())
     if len(set(ids)) != len(ids):
-        raise ValueError("actors must be distinct; the same actor appears twice")
+        raise ArgumentValueError("actors must be distinct; the same actor appears twice")
     check_args = checks.check_bool(check_args, "check_args")
     options = checks.check_group_options(strict_buffers, cpu_transport)
     if not ray.is_initialized():
@@ -403,6 +409,8 @@ def get_collective_groups(
         groups = ((name, _manager.get(name)) for name in _manager.names())
         return [n for n, g in groups if g is not None and wanted in (None, g.backend_name())]
     if not isinstance(actors, (list, tuple)):
-        raise TypeError(f"actors must be a list of actor handles, got {type(actors).__name__}")
+        raise ArgumentTypeError(
+            f"actors must be a list of actor handles, got {type(actors).__name__}"
+        )
     ids = sorted({actor._ray_actor_id.hex() for actor in actors})
     return rendezvous.groups_with(ids, wanted) if _ray().is_initialized() else []

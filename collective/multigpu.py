@@ -12,11 +12,15 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks, tensor
+from collective.checks import checking
 from collective.groups.base import BaseGroup
 from collective.lifecycle import get_group_handle
+from collective.outputs import check_written
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
+    ArgumentTypeError,
+    ArgumentValueError,
     BroadcastOptions,
     RecvOptions,
     ReduceOp,
@@ -41,8 +45,11 @@ def allreduce_multigpu(
 ) -> None:
     """Reduce every GPU's tensor across the group; each tensor of ``tensor_list`` receives it."""
     group = _gpu_group(group_name, "allreduce_multigpu")
-    tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
-    group.allreduce(tensors, AllReduceOptions(ReduceOp.parse(op), checks.check_timeout(timeout)))
+    with checking(group, "allreduce"):
+        tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+        options = AllReduceOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
+        check_written(group, _named(tensors, "tensor_list"))
+    group.allreduce(tensors, options)
 
 
 def reduce_multigpu(
@@ -59,10 +66,14 @@ def reduce_multigpu(
     Only that tensor is written; every other tensor is left unchanged.
     """
     group = _gpu_group(group_name, "reduce_multigpu")
-    tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
-    checks.check_rank(dst_rank, group.world_size, "dst_rank")
-    checks.check_index(dst_tensor, len(tensors), "dst_tensor")
-    options = ReduceOptions(ReduceOp.parse(op), dst_rank, dst_tensor, checks.check_timeout(timeout))
+    with checking(group, "reduce"):
+        tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
+        dst_tensor = checks.check_index(dst_tensor, len(tensors), "dst_tensor")
+        timeout = checks.check_timeout(timeout)
+        options = ReduceOptions(ReduceOp.parse(op), dst_rank, dst_tensor, timeout)
+        if group.rank == dst_rank:
+            check_written(group, [(f"tensor_list[{dst_tensor}]", tensors[dst_tensor])])
     group.reduce(tensors, options)
 
 
@@ -76,10 +87,15 @@ def broadcast_multigpu(
 ) -> None:
     """Copy tensor ``src_tensor`` of rank ``src_rank`` into every other GPU's tensor."""
     group = _gpu_group(group_name, "broadcast_multigpu")
-    tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
-    checks.check_rank(src_rank, group.world_size, "src_rank")
-    checks.check_index(src_tensor, len(tensors), "src_tensor")
-    options = BroadcastOptions(src_rank, src_tensor, checks.check_timeout(timeout))
+    with checking(group, "broadcast"):
+        tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
+        src_tensor = checks.check_index(src_tensor, len(tensors), "src_tensor")
+        options = BroadcastOptions(src_rank, src_tensor, checks.check_timeout(timeout))
+        written = _named(tensors, "tensor_list")
+        if group.rank == src_rank:
+            del written[src_tensor]
+        check_written(group, written)
     group.broadcast(tensors, options)
 
 
@@ -101,9 +117,13 @@ def allgather_multigpu(
 
     """
     group = _gpu_group(group_name, "allgather_multigpu")
-    inputs = checks.check_gpu_tensor_list(group, input_tensor_list, "input_tensor_list")
-    outputs = _tensor_lists(group, output_tensor_lists, "output_tensor_lists", len(inputs))
-    group.allgather(outputs, inputs, AllGatherOptions(checks.check_timeout(timeout)))
+    with checking(group, "allgather"):
+        inputs = checks.check_gpu_tensor_list(group, input_tensor_list, "input_tensor_list")
+        outputs = _tensor_lists(group, output_tensor_lists, "output_tensor_lists", len(inputs))
+        options = AllGatherOptions(checks.check_timeout(timeout))
+        for i, xs in enumerate(outputs):
+            check_written(group, _named(xs, f"output_tensor_lists[{i}]"))
+    group.allgather(outputs, inputs, options)
 
 
 def reducescatter_multigpu(
@@ -126,9 +146,11 @@ def reducescatter_multigpu(
 
     """
     group = _gpu_group(group_name, "reducescatter_multigpu")
-    outputs = checks.check_gpu_tensor_list(group, output_tensor_list, "output_tensor_list")
-    inputs = _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
-    options = ReduceScatterOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
+    with checking(group, "reducescatter"):
+        outputs = checks.check_gpu_tensor_list(group, output_tensor_list, "output_tensor_list")
+        inputs = _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
+        options = ReduceScatterOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
+        check_written(group, _named(outputs, "output_tensor_list"))
     group.reducescatter(outputs, inputs, options)
 
 
@@ -143,11 +165,13 @@ def send_multigpu(
 ) -> None:
     """Send ``tensor`` (its first ``n_elements``, if not 0) to GPU ``dst_gpu_index`` of a peer."""
     group = _gpu_group(group_name, "send_multigpu")
-    checks.check_tensor(group, tensor, "tensor")
-    checks.check_peer(dst_rank, group, "dst_rank")
-    checks.check_non_negative(dst_gpu_index, "dst_gpu_index")
-    checks.check_non_negative(n_elements, "n_elements")
-    options = SendOptions(dst_rank, dst_gpu_index, n_elements, checks.check_timeout(timeout))
+    dst_rank = checks.check_peer(dst_rank, group, "dst_rank")
+    with checking(group, "send", dst_rank):
+        checks.check_tensor(group, tensor, "tensor")
+        dst_gpu_index = checks.check_non_negative(dst_gpu_index, "dst_gpu_index")
+        n_elements = checks.check_non_negative(n_elements, "n_elements")
+        timeout = checks.check_timeout(timeout)
+        options = SendOptions(dst_rank, dst_gpu_index, n_elements, timeout)
     group.send([tensor], options)
 
 
@@ -162,11 +186,14 @@ def recv_multigpu(
 ) -> None:
     """Receive into ``tensor`` (its first ``n_elements``, if not 0) from a peer's GPU."""
     group = _gpu_group(group_name, "recv_multigpu")
-    checks.check_tensor(group, tensor, "tensor")
-    checks.check_peer(src_rank, group, "src_rank")
-    checks.check_non_negative(src_gpu_index, "src_gpu_index")
-    checks.check_non_negative(n_elements, "n_elements")
-    options = RecvOptions(src_rank, src_gpu_index, n_elements, checks.check_timeout(timeout))
+    src_rank = checks.check_peer(src_rank, group, "src_rank")
+    with checking(group, "recv", src_rank):
+        checks.check_tensor(group, tensor, "tensor")
+        src_gpu_index = checks.check_non_negative(src_gpu_index, "src_gpu_index")
+        n_elements = checks.check_non_negative(n_elements, "n_elements")
+        timeout = checks.check_timeout(timeout)
+        options = RecvOptions(src_rank, src_gpu_index, n_elements, timeout)
+        check_written(group, [("tensor", tensor)])
     group.recv([tensor], options)
 
 
@@ -178,7 +205,14 @@ def synchronize(gpu_id: int) -> None:
 def _tensor_lists(group: BaseGroup, xs: Any, name: str, length: int) -> list[list[Any]]:
     """Return ``xs`` as ``length`` lists of tensors that ``group`` takes."""
     if not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name} must be a list of lists of tensors, got {type(xs).__name__}")
+        raise ArgumentTypeError(
+            f"{name} must be a list of lists of tensors, got {type(xs).__name__}"
+        )
     if len(xs) != length:
-        raise ValueError(f"{name} must hold {length} lists (one per GPU), got {len(xs)}")
+        raise ArgumentValueError(f"{name} must hold {length} lists (one per GPU), got {len(xs)}")
     return [checks.check_gpu_tensor_list(group, x, f"{name}[{i}]") for i, x in enumerate(xs)]
+
+
+def _named(xs: list[Any], name: str) -> list[tuple[str, Any]]:
+    """Return ``(name[i], xs[i])`` pairs, for the checks of the buffers an op writes."""
+    return [(f"{name}[{i}]", x) for i, x in enumerate(xs)]

@@ -15,7 +15,7 @@ from collective.groups.base import BaseGroup, GroupConstructor
 from collective.groups.cpu import CpuGroup
 from collective.groups.gloo import GlooGroup
 from collective.groups.nccl import NCCLGroup
-from collective.types import Backend, CollectiveError
+from collective.types import ArgumentTypeError, ArgumentValueError, Backend, CollectiveError
 
 _KV_NAMESPACE = "collective.backends"
 """The Ray key-value namespace under which registered classes are published."""
@@ -82,15 +82,15 @@ def register_collective_backend(name: str, group_cls: type[BaseGroup]) -> None:
 
     """
     if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
+        raise ArgumentTypeError(f"name must be a str, got {type(name).__name__}")
     if not isinstance(group_cls, type) or not issubclass(group_cls, BaseGroup):
         got = group_cls.__name__ if isinstance(group_cls, type) else type(group_cls).__name__
-        raise TypeError(f"group_cls must be a subclass of collective.BaseGroup, got {got}")
+        raise ArgumentTypeError(f"group_cls must be a subclass of collective.BaseGroup, got {got}")
     key = name.lower()
     if not key:
-        raise ValueError("name must be a non-empty string")
+        raise ArgumentValueError("name must be a non-empty string")
     if key in _BUILT_IN:
-        raise ValueError(f"name must not be a built-in backend's name, got {name!r}")
+        raise ArgumentValueError(f"name must not be a built-in backend's name, got {name!r}")
     with _lock:
         _classes[key] = group_cls
     kv = _ray_kv()

@@ -4,9 +4,13 @@ A group built with ``check_args=True`` is wrapped in a ``CheckedGroup``. Before
 each collective, every rank contributes a fixed-size int64 signature (the op,
 dtype, shape, root, reduce op, list length and, for alltoall, the element count
 per peer) to an allgather on the group itself. If the signatures disagree, every
-rank raises the same ``ValueError``, naming the ranks and how they differ, and
-no data moves. Send and recv swap signatures with their peer only. The check
+rank raises the same ``ArgumentValueError``, naming the ranks and how they differ,
+and no data moves. Send and recv swap signatures with their peer only. The check
 costs one small allgather (or one swap) per op.
+
+A rank whose own argument checks failed still takes part: its signature carries
+the error's kind and length, and a second exchange, made only then, carries the
+messages. Every rank then raises the same error, and the group stays usable.
 """
 
 from __future__ import annotations
@@ -14,14 +18,25 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from collective.groups.base import BaseGroup
-from collective.tensor import DTYPES, TensorSpec, int64_array, spec
+from collective.tensor import (
+    DTYPES,
+    TensorSpec,
+    array_bytes,
+    byte_array,
+    copy_of,
+    int64_array,
+    spec,
+)
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
     AllToAllOptions,
+    ArgumentError,
+    ArgumentTypeError,
+    ArgumentValueError,
     Backend,
     BarrierOptions,
     BroadcastOptions,
@@ -52,11 +67,17 @@ _OPS = (
 _DTYPES = sorted(DTYPES)
 _MAX_DIMS = 8
 _NONE = -1
-# Slots of the fixed part: op, dtype, shape crc, ndim, dims..., root, reduce op, list length.
+# Slots of the fixed part: op, dtype, shape crc, ndim, dims..., root, reduce op, list length,
+# then the kind of this rank's own argument error (0: none) and its message's length.
 _OP, _DTYPE, _CRC, _NDIM = 0, 1, 2, 3
 _DIMS = 4
 _ROOT, _REDUCE, _COUNT = _DIMS + _MAX_DIMS, _DIMS + _MAX_DIMS + 1, _DIMS + _MAX_DIMS + 2
-_FIXED = _COUNT + 1
+_ERROR, _LENGTH = _COUNT + 1, _COUNT + 2
+_FIXED = _LENGTH + 1
+_ERRORS: tuple[type[ArgumentError], ...] = (ArgumentValueError, ArgumentTypeError)
+"""An argument error's kind is its index here, plus one."""
+_MAX_MESSAGE = 4096
+"""The longest error message sent to the other ranks, in bytes."""
 
 
 def _encode_tensor(slots: list[int], x: Any) -> None:
@@ -95,6 +116,33 @@ _FIELDS = {
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _mark_error(slots: list[int], error: ArgumentError | None) -> bytes:
+    """Put ``error``'s kind and message length into ``slots``; return the encoded message."""
+    if error is None:
+        slots[_ERROR], slots[_LENGTH] = 0, 0
+        return b""
+    kind = next((i for i, cls in enumerate(_ERRORS) if isinstance(error, cls)), 0)
+    message = str(error).encode(errors="replace")[:_MAX_MESSAGE]
+    slots[_ERROR], slots[_LENGTH] = kind + 1, len(message)
+    return message
+
+
+def _argument_error(
+    op: str, group_name: str, signatures: Sequence[Sequence[int]], messages: Sequence[bytes]
+) -> ArgumentError:
+    """Return the error every rank raises when some ranks' own argument checks failed."""
+    failed = [r for r, s in enumerate(signatures) if s[_ERROR]]
+    texts = [messages[r][: signatures[r][_LENGTH]].decode(errors="replace") for r in failed]
+    cls = _ERRORS[signatures[failed[0]][_ERROR] - 1]
+    if len(failed) == 1:
+        detail = f"rank {failed[0]} passed an invalid argument: {texts[0]}"
+    else:
+        detail = "ranks passed invalid arguments: " + "; ".join(
+            f"rank {r}: {t}" for r, t in zip(failed, texts, strict=True)
+        )
+    return cls(f"{op} on group {group_name!r}: {detail}")
 
 
 def describe_mismatch(signatures: Sequence[Sequence[int]], world_size: int) -> list[str]:
@@ -175,16 +223,51 @@ class CheckedGroup(BaseGroup):
     def _blank(self, op: str) -> list[int]:
         slots = [_NONE] * (_FIXED + 2 * self.world_size)
         slots[_OP] = _OPS.index(op)
+        slots[_ERROR], slots[_LENGTH] = 0, 0
         return slots
 
-    def _agree(self, op: str, slots: list[int], timeout: timedelta | None) -> None:
-        """Allgather ``slots`` over the group; raise ValueError on every rank if they differ."""
+    def refuse(self, op: str, error: ArgumentError, peer: int | None = None) -> NoReturn:
+        """Raise ``error``, this rank's argument error in ``op``, on every rank that takes part.
+
+        The other ranks learn of it in the signature exchange of their own call; for
+        send and recv that is ``peer`` alone. The exchange uses the group's timeout.
+        """
+        slots = self._blank(op)
+        if peer is None:
+            self._agree(op, slots, None, error)
+        else:
+            self._swap(op, None, peer, op == "send", None, error)
+        raise error
+
+    def _agree(
+        self,
+        op: str,
+        slots: list[int],
+        timeout: timedelta | None,
+        error: ArgumentError | None = None,
+    ) -> None:
+        """Allgather ``slots`` over the group; raise the same error on every rank if they differ.
+
+        Raises:
+            ArgumentError: a rank's own checks failed (``error`` here), or the ranks
+                passed different arguments.
+
+        """
+        message = _mark_error(slots, error)
         mine = int64_array(slots)
         gathered = [int64_array([0] * len(slots)) for _ in range(self.world_size)]
         self._inner.allgather([gathered], [mine], AllGatherOptions(timeout)).wait()
-        lines = describe_mismatch([g.tolist() for g in gathered], self.world_size)
+        signatures = [g.tolist() for g in gathered]
+        if any(s[_ERROR] for s in signatures):
+            width = max(1, *(s[_LENGTH] for s in signatures))
+            texts = [byte_array(b"", width) for _ in range(self.world_size)]
+            options = AllGatherOptions(timeout)
+            self._inner.allgather([texts], [byte_array(message, width)], options).wait()
+            messages = [array_bytes(t, width) for t in texts]
+            raise _argument_error(op, self.group_name, signatures, messages) from error
+        lines = describe_mismatch(signatures, self.world_size)
         if lines:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{op} on group {self.group_name!r}: the ranks passed different arguments; "
                 + "; ".join(lines)
             )
@@ -287,20 +370,30 @@ class CheckedGroup(BaseGroup):
         self._agree("alltoall", slots, options.timeout)
         return self._inner.alltoall(outputs, inputs, options)
 
-    def _swap(self, op: str, x: Any, peer: int, sends_first: bool, timeout: Any) -> None:
-        """Swap signatures with ``peer``; raise ValueError on both if they do not match."""
+    def _swap(
+        self,
+        op: str,
+        x: Any,
+        peer: int,
+        sends_first: bool,
+        timeout: Any,
+        error: ArgumentError | None = None,
+    ) -> None:
+        """Swap signatures with ``peer``; raise the same error on both if they do not match."""
         slots = self._blank(op)
-        _encode_tensor(slots, x)
+        if x is not None:
+            _encode_tensor(slots, x)
         slots[_ROOT] = peer
-        mine, theirs = int64_array(slots), int64_array([0] * len(slots))
-        send, recv = SendOptions(peer, timeout=timeout), RecvOptions(peer, timeout=timeout)
-        if sends_first:
-            self._inner.send([mine], send).wait()
-            self._inner.recv([theirs], recv).wait()
-        else:
-            self._inner.recv([theirs], recv).wait()
-            self._inner.send([mine], send).wait()
-        other = theirs.tolist()
+        message = _mark_error(slots, error)
+        other = self._exchange(int64_array(slots), peer, sends_first, timeout).tolist()
+        if slots[_ERROR] or other[_ERROR]:
+            width = max(1, slots[_LENGTH], other[_LENGTH])
+            theirs = self._exchange(byte_array(message, width), peer, sends_first, timeout)
+            signatures = [self._blank(op) for _ in range(self.world_size)]
+            messages = [b""] * self.world_size
+            signatures[self.rank], messages[self.rank] = slots, message
+            signatures[peer], messages[peer] = other, array_bytes(theirs, width)
+            raise _argument_error(op, self.group_name, signatures, messages) from error
         lines = []
         if _OPS[other[_OP]] != ("recv" if op == "send" else "send") or other[_ROOT] != self.rank:
             lines.append(f"rank {peer} called {_OPS[other[_OP]]} with peer {other[_ROOT]}")
@@ -309,10 +402,22 @@ class CheckedGroup(BaseGroup):
             if a != b:
                 lines.append(f"{field}: {a} on rank {self.rank}, {b} on rank {peer}")
         if lines:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{op} on group {self.group_name!r}: ranks {sorted((self.rank, peer))} passed "
                 "different arguments; " + "; ".join(lines)
             )
+
+    def _exchange(self, mine: Any, peer: int, sends_first: bool, timeout: Any) -> Any:
+        """Send ``mine`` to ``peer`` and receive a buffer like it back, in a deadlock-free order."""
+        theirs = copy_of(mine)
+        send, recv = SendOptions(peer, timeout=timeout), RecvOptions(peer, timeout=timeout)
+        if sends_first:
+            self._inner.send([mine], send).wait()
+            self._inner.recv([theirs], recv).wait()
+        else:
+            self._inner.recv([theirs], recv).wait()
+            self._inner.send([mine], send).wait()
+        return theirs
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Check with the receiver, then send the tensor to ``options.dst_rank``."""

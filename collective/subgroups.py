@@ -27,7 +27,12 @@ from typing import Any
 from collective import checks, lifecycle
 from collective.groups.base import BaseGroup, constructor
 from collective.store import PrefixedRendezvousStore, RendezvousStore
-from collective.types import CollectiveError, CollectiveTimeoutError
+from collective.types import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    CollectiveError,
+    CollectiveTimeoutError,
+)
 
 _lock = threading.Lock()
 _calls: weakref.WeakKeyDictionary[BaseGroup, int] = weakref.WeakKeyDictionary()
@@ -44,14 +49,13 @@ def _next_call(parent: BaseGroup) -> int:
 def check_subset(ranks: Any, world_size: int) -> list[int]:
     """Return ``ranks`` as a list if it names distinct ranks of a group of ``world_size``."""
     if not isinstance(ranks, (list, tuple)):
-        raise TypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
+        raise ArgumentTypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
     if not ranks:
-        raise ValueError("ranks must name at least one rank, got []")
-    for i, rank in enumerate(ranks):
-        checks.check_int(rank, f"ranks[{i}]")
+        raise ArgumentValueError("ranks must name at least one rank, got []")
+    ranks = [checks.check_int(rank, f"ranks[{i}]") for i, rank in enumerate(ranks)]
     outside = [r for r in ranks if not 0 <= r < world_size]
     if outside or len(set(ranks)) != len(ranks):
-        raise ValueError(
+        raise ArgumentValueError(
             f"ranks must be distinct ranks of the parent group, in [0, {world_size}), "
             f"got {list(ranks)}"
         )
@@ -150,7 +154,7 @@ def _agree(
 
     Raises:
         CollectiveError: a member reported that it cannot build the group.
-        ValueError: a member passed other ranks or another name.
+        ArgumentValueError: a member passed other ranks or another name.
         CollectiveTimeoutError: a member did not call ``new_group`` in time.
 
     """
@@ -171,7 +175,7 @@ def _agree(
             )
         for field, mine in (("ranks", ranks), ("name", name)):
             if theirs[field] != mine:
-                raise ValueError(
+                raise ArgumentValueError(
                     f"every member must pass the same {field} to new_group: parent rank "
                     f"{peer} passed {theirs[field]!r}, parent rank {me} passed {mine!r}"
                 )

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from collective.types import CollectiveError
+from collective import objectstore
+from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError
 
 DTYPES = frozenset(
     {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
@@ -70,13 +71,13 @@ def spec(x: Any, name: str) -> TensorSpec:
         name: the argument's name, used in the error message.
 
     Raises:
-        TypeError: ``x`` is of another type, or of a dtype no backend supports.
+        ArgumentTypeError: ``x`` is of another type, or of a dtype no backend supports.
 
     """
     if isinstance(x, np.ndarray):
         kind, shape, dtype, device = "numpy", x.shape, dtype_name(x.dtype), "cpu"
         if not x.dtype.isnative:
-            raise TypeError(f"{name} must have native byte order, got {x.dtype.str}")
+            raise ArgumentTypeError(f"{name} must have native byte order, got {x.dtype.str}")
     elif _is_torch(x):
         kind, shape, device = "torch", tuple(x.shape), str(x.device)
         dtype = str(x.dtype).removeprefix("torch.")
@@ -84,18 +85,32 @@ def spec(x: Any, name: str) -> TensorSpec:
         kind, shape, dtype = "cupy", tuple(x.shape), dtype_name(x.dtype)
         device = f"cuda:{x.device.id}"
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name} must be a numpy.ndarray, torch.Tensor or cupy.ndarray, "
             f"got {type(x).__module__}.{type(x).__qualname__}"
         )
     if dtype not in DTYPES:
-        raise TypeError(f"{name} has unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
+        raise ArgumentTypeError(
+            f"{name} has unsupported dtype {dtype}; supported: {sorted(DTYPES)}"
+        )
     return TensorSpec(kind, tuple(int(d) for d in shape), dtype, device)
 
 
 def int64_array(values: list[int]) -> Any:
     """Return a new int64 numpy array holding ``values``, for small control messages."""
     return np.array(values, dtype=np.int64)
+
+
+def byte_array(data: bytes, width: int) -> Any:
+    """Return a new uint8 numpy array of ``width`` bytes: ``data``, then zeros."""
+    array = np.zeros(width, dtype=np.uint8)
+    array[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return array
+
+
+def array_bytes(array: Any, length: int) -> bytes:
+    """Return the first ``length`` bytes of the uint8 numpy ``array``."""
+    return bytes(array[:length].tobytes())
 
 
 def _layout(x: Any) -> tuple[int, int, list[tuple[int, int]]]:
@@ -112,9 +127,8 @@ def _layout(x: Any) -> tuple[int, int, list[tuple[int, int]]]:
     return start, itemsize, list(zip((int(d) for d in x.shape), strides, strict=True))
 
 
-def memory_span(x: Any) -> tuple[int, int]:
-    """Return ``(first_byte_address, one_past_last_byte_address)`` of ``x``'s elements."""
-    start, itemsize, dims = _layout(x)
+def _span(layout: tuple[int, int, list[tuple[int, int]]]) -> tuple[int, int]:
+    start, itemsize, dims = layout
     if any(size == 0 for size, _ in dims):
         return start, start
     low = sum(stride * (size - 1) for size, stride in dims if stride < 0)
@@ -122,14 +136,41 @@ def memory_span(x: Any) -> tuple[int, int]:
     return start + low, start + high + itemsize
 
 
+def memory_span(x: Any) -> tuple[int, int]:
+    """Return ``(first_byte_address, one_past_last_byte_address)`` of ``x``'s elements."""
+    return _span(_layout(x))
+
+
+def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Return whether two non-empty memory spans (see ``memory_span``) intersect."""
+    return a[0] < b[1] and b[0] < a[1] and a[0] != a[1] and b[0] != b[1]
+
+
 def overlaps(a: Any, b: Any) -> bool:
     """Return whether the memory spans of ``a`` and ``b`` intersect."""
-    a_start, a_end = memory_span(a)
-    b_start, b_end = memory_span(b)
-    return a_start < b_end and b_start < a_end and a_start != a_end and b_start != b_end
+    return spans_overlap(memory_span(a), memory_span(b))
 
 
-def _self_overlapping(x: Any) -> bool:
+SAME, PARTIAL = 1, 2
+"""How an input relates to an output in ``aliasing``; 0 means disjoint."""
+
+
+def aliasing(output: Any, inputs: list[Any]) -> list[int]:
+    """Return, per input, how its memory relates to ``output``'s.
+
+    ``SAME`` when it views exactly ``output``'s elements (address, shape and
+    strides), ``PARTIAL`` when their memory overlaps otherwise, else 0.
+    """
+    layout = _layout(output)
+    span = _span(layout)
+    found = []
+    for x in inputs:
+        other = _layout(x)
+        found.append(SAME if other == layout else PARTIAL * spans_overlap(span, _span(other)))
+    return found
+
+
+def self_overlapping(x: Any) -> bool:
     """Return whether two elements of ``x`` may share memory.
 
     Dimensions sorted by stride must each step past everything the smaller ones
@@ -147,41 +188,107 @@ def _self_overlapping(x: Any) -> bool:
     return False
 
 
+def copy_of(x: Any) -> Any:
+    """Return a new buffer of ``x``'s kind, device, shape and dtype holding its values."""
+    return x.clone() if _is_torch(x) else x.copy()
+
+
+GRAD_LEAF, OVERLAPPING, READ_ONLY = 1, 2, 4
+"""The hazards of writing a buffer in place that ``write_hazards`` reports, as bit flags."""
+
+
+def write_hazards(x: Any) -> int:
+    """Return why writing ``x`` in place is refused or needs care, as bit flags.
+
+    ``GRAD_LEAF``: a torch leaf tensor that requires grad. ``OVERLAPPING``: two of
+    its elements share memory (a stride of 0, as from ``expand``). ``READ_ONLY``:
+    a numpy array whose ``writeable`` flag is off, as every array Ray hands out (an
+    actor method's argument, a ``ray.get`` result), or a CPU torch tensor over
+    memory of Ray's object store (``torch.from_numpy(ray.get(ref))``). Torch keeps
+    no read-only flag, so such a tensor is recognised by where its memory lies,
+    inside a mapping of Ray's object store in this process; one over a small
+    result that Ray inlined into this process's heap is not recognised.
+    """
+    if isinstance(x, np.ndarray):
+        flags = x.flags
+        hazards = 0 if flags.writeable else READ_ONLY
+        if not flags.c_contiguous and self_overlapping(x):
+            hazards |= OVERLAPPING
+        return hazards
+    if not _is_torch(x):
+        return 0
+    hazards = GRAD_LEAF if x.requires_grad and x.is_leaf else 0
+    if not x.is_contiguous() and self_overlapping(x):
+        hazards |= OVERLAPPING
+    if x.is_cpu and _in_object_store(x):
+        hazards |= READ_ONLY
+    return hazards
+
+
+def _in_object_store(x: Any) -> bool:
+    """Return whether the CPU torch tensor ``x`` lies in Ray's object store in this process.
+
+    Torch allocates a resizable storage itself, never there; only a tensor over foreign
+    memory (``torch.from_numpy``) may make the mappings be read again.
+    """
+    address = x.data_ptr()
+    if objectstore.holds(address):
+        return True
+    return not x.untyped_storage().resizable() and objectstore.holds(address, reread=True)
+
+
+class _WritableInterface:
+    """An ``__array_interface__`` of a numpy array with its read-only flag cleared."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
+        self.array = array
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """Return ``array`` itself if writeable, else a writeable view of the same memory.
+
+    This is what ``ray.util.collective`` does through ``torch.from_numpy``: Ray maps
+    its object store read-write, so writing the view writes the object in place.
+    The view keeps ``array`` alive.
+    """
+    if array.flags.writeable:
+        return array
+    return np.asarray(_WritableInterface(array))
+
+
 class CpuBuffer:
     """A contiguous CPU buffer standing for a user buffer during one op.
 
-    It shares memory with the user's buffer when that buffer is contiguous and
-    writable. Otherwise it is a staged copy, and ``commit`` copies the result
-    back into the user's buffer. ``tensor`` is it as a torch tensor (for gloo);
-    ``bytes`` is it as a flat numpy ``uint8`` array (for shared memory).
+    It shares memory with the user's buffer when that buffer is contiguous,
+    read-only numpy arrays included: they are written in place, as Ray does (the
+    public functions decide first whether to allow it). Otherwise it is a staged
+    copy, and ``commit`` copies the result back into the user's buffer.
+    ``tensor`` is it as a torch tensor (for gloo); ``bytes`` is it as a flat numpy
+    ``uint8`` array (for shared memory).
     """
 
     def __init__(self, source: Any, name: str, writable: bool) -> None:
         """Wrap ``source`` (a CPU numpy array or torch tensor) for one op.
 
         Raises:
-            ValueError: ``source`` must be written but is read-only or overlaps itself.
+            ArgumentValueError: ``source`` must be written but overlaps itself.
 
         """
         self._source = source
         self._tensor: Any = None
         is_numpy = isinstance(source, np.ndarray)
-        if is_numpy:
-            shares = source.flags.c_contiguous and source.flags.writeable
-        else:
-            shares = source.is_contiguous()
+        shares = source.flags.c_contiguous if is_numpy else source.is_contiguous()
         self._staged = writable and not shares
-        if self._staged and _self_overlapping(source):
-            raise ValueError(
-                f"{name} has overlapping memory (a stride of 0, as from expand or "
-                "broadcast_to); pass a contiguous copy"
-            )
+        if self._staged and self_overlapping(source):
+            raise ArgumentValueError(overlap_message(name))
         if is_numpy:
-            if writable and not source.flags.writeable:
-                raise ValueError(f"{name} is a read-only array but the op writes into it")
-            self._array: Any = (
-                source if source.flags.c_contiguous else np.array(source, order="C", copy=True)
-            )
+            if shares:
+                self._array: Any = _writable(source) if writable else source
+            else:
+                self._array = np.array(source, order="C", copy=True)
         else:
             self._array = None
             self._tensor = source if shares else source.contiguous()
@@ -192,9 +299,7 @@ class CpuBuffer:
         if self._tensor is None:
             import torch
 
-            array = self._array
-            # torch may not alias read-only memory: it warns, and so would every gloo op.
-            self._tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+            self._tensor = torch.from_numpy(_writable(self._array))
         return self._tensor
 
     @property
@@ -223,9 +328,17 @@ class CpuBuffer:
         if not self._staged:
             return
         if isinstance(self._source, np.ndarray):
-            np.copyto(self._source, self._array)
+            np.copyto(_writable(self._source), self._array)
         else:
             self._source.copy_(self._tensor)
+
+
+def overlap_message(name: str) -> str:
+    """Return the error message for an output buffer ``name`` whose elements share memory."""
+    return (
+        f"{name} has overlapping memory (a stride of 0, as from expand or "
+        "broadcast_to); pass a contiguous copy"
+    )
 
 
 def is_buffer(x: Any) -> bool:
@@ -308,8 +421,8 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
     """Describe ``x``, a cupy array or CUDA torch tensor, for an NCCL call.
 
     Raises:
-        TypeError: ``x`` is no GPU buffer, or its dtype is one NCCL does not move.
-        ValueError: ``x`` is not contiguous.
+        ArgumentTypeError: ``x`` is no GPU buffer, or its dtype is one NCCL does not move.
+        ArgumentValueError: ``x`` is not contiguous.
 
     """
     if _is_torch(x) and x.device.type == "cuda":
@@ -325,13 +438,13 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
     else:
         found = spec(x, name).device if isinstance(x, np.ndarray) or _is_torch(x) else None
         where = f"a buffer on {found}" if found else f"a {type(x).__qualname__}"
-        raise TypeError(f"{name} must be a cupy array or a CUDA torch tensor, got {where}")
+        raise ArgumentTypeError(f"{name} must be a cupy array or a CUDA torch tensor, got {where}")
     if dtype not in NCCL_DTYPES:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name} has dtype {dtype}, which NCCL does not move; supported: {sorted(NCCL_DTYPES)}"
         )
     if not contiguous:
-        raise ValueError(f"{name} must be contiguous for NCCL; pass a contiguous copy")
+        raise ArgumentValueError(f"{name} must be contiguous for NCCL; pass a contiguous copy")
     return CudaBuffer(int(ptr), count, dtype, int(device), int(itemsize))
 
 

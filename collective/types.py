@@ -15,6 +15,40 @@ FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 """The floating-point dtype names; the only ones ``ReduceOp.AVG`` takes."""
 
 
+class ArgumentError(RuntimeError):
+    """An argument of a call is invalid; raised before anything is sent.
+
+    Every one is also a ``ValueError`` or a ``TypeError`` (the two subclasses
+    below), and a ``RuntimeError``, which is what code written for
+    ``ray.util.collective`` catches. It is no ``CollectiveError``: the group
+    stays usable.
+    """
+
+
+class ArgumentValueError(ArgumentError, ValueError):
+    """An argument has a wrong value: a rank out of range, a list of the wrong length."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument is of a wrong kind: not a buffer, an unsupported dtype or device."""
+
+
+def _foreign_name(value: object, enum_name: str) -> str | None:
+    """Return the member name of ``value`` if it is a member of another library's enum.
+
+    ``ray.util.collective.types.ReduceOp.SUM`` maps to ``"SUM"``; nothing of Ray
+    is imported to recognise it.
+    """
+    if isinstance(value, Enum) and type(value).__name__ == enum_name:
+        return value.name
+    return None
+
+
+def _qualified(value: object) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
 class Backend(str, Enum):
     """A collective transport; user strings are matched case-insensitively."""
 
@@ -36,20 +70,23 @@ class Backend(str, Enum):
     def parse(cls, value: Backend | str) -> Backend:
         """Normalise a backend given as an enum member or a string.
 
+        Ray's ``Backend.GLOO`` is the string ``"GLOO"``, so it parses as any name does.
+
         Raises:
-            TypeError: ``value`` is neither a ``Backend`` nor a string.
-            ValueError: ``value`` names no known backend.
+            ArgumentTypeError: ``value`` is neither a ``Backend`` nor a string.
+            ArgumentValueError: ``value`` names no known backend.
 
         """
         if isinstance(value, cls):
             return value
+        value = _foreign_name(value, "Backend") or value
         if not isinstance(value, str):
-            raise TypeError(f"backend must be a Backend or a str, got {type(value).__name__}")
+            raise ArgumentTypeError(f"backend must be a Backend or a str, got {_qualified(value)}")
         try:
             return cls(value)
         except ValueError:
             known = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"backend must be one of {known}, got {value!r}") from None
+            raise ArgumentValueError(f"backend must be one of {known}, got {value!r}") from None
 
 
 class CpuTransport(str, Enum):
@@ -70,19 +107,21 @@ class CpuTransport(str, Enum):
         """Normalise a transport given as an enum member or a string (any case).
 
         Raises:
-            TypeError: ``value`` is neither a ``CpuTransport`` nor a string.
-            ValueError: ``value`` names no transport.
+            ArgumentTypeError: ``value`` is neither a ``CpuTransport`` nor a string.
+            ArgumentValueError: ``value`` names no transport.
 
         """
         if isinstance(value, cls):
             return value
         if not isinstance(value, str):
-            raise TypeError(f"{name} must be a CpuTransport or a str, got {type(value).__name__}")
+            raise ArgumentTypeError(
+                f"{name} must be a CpuTransport or a str, got {type(value).__name__}"
+            )
         try:
             return cls(value.lower())
         except ValueError:
             known = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"{name} must be one of {known}, got {value!r}") from None
+            raise ArgumentValueError(f"{name} must be one of {known}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -104,14 +143,14 @@ class GroupOptions:
         """Return these options with every unset field taken from the environment.
 
         Raises:
-            ValueError: an environment variable holds a value it cannot take.
+            ArgumentValueError: an environment variable holds a value it cannot take.
 
         """
         strict = self.strict_buffers
         if strict is None:
             raw = os.environ.get(STRICT_BUFFERS_ENV, "0").strip().lower()
             if raw not in _FLAG_VALUES:
-                raise ValueError(
+                raise ArgumentValueError(
                     f"{STRICT_BUFFERS_ENV} must be one of {sorted(_FLAG_VALUES)}, got {raw!r}"
                 )
             strict = _FLAG_VALUES[raw]
@@ -158,21 +197,26 @@ class ReduceOp(Enum):
 
     @classmethod
     def parse(cls, value: ReduceOp | str) -> ReduceOp:
-        """Normalise a reduction given as an enum member or its name.
+        """Normalise a reduction given as an enum member, its name, or Ray's member of that name.
 
         Raises:
-            TypeError: ``value`` is neither a ``ReduceOp`` nor a string.
-            ValueError: ``value`` names no known reduction.
+            ArgumentTypeError: ``value`` is no ``ReduceOp``, no string and no Ray ``ReduceOp``.
+            ArgumentValueError: ``value`` names no known reduction.
 
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        if isinstance(value, str):
+        name = _foreign_name(value, "ReduceOp")
+        if name is None and isinstance(value, str):
+            name = value.upper()
+        if name is not None and name in cls.__members__:
+            return cls[name]
+        if name is not None:
             known = ", ".join(cls.__members__)
-            raise ValueError(f"op must be one of {known}, got {value!r}")
-        raise TypeError(f"op must be a ReduceOp, got {type(value).__name__}")
+            raise ArgumentValueError(f"op must be one of {known}, got {value!r}")
+        raise ArgumentTypeError(
+            f"op must be a collective.ReduceOp or its name, got {_qualified(value)}"
+        )
 
 
 @dataclass(frozen=True)

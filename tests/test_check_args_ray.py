@@ -3,11 +3,13 @@
 Without the check, gloo does not reliably notice: a dtype or reduce-op mismatch
 returns wrong numbers on every rank, a small shape mismatch returns wrong numbers
 on one rank, and a larger one aborts the process inside gloo. The check is what
-makes such bugs visible, so every case here asserts every rank's error.
+makes such bugs visible, so every case here asserts every rank's error. An argument
+error that only one rank's own checks find is raised on every rank too, at once.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+import torch
 
 import collective as col
 from collective.types import AllToAllOptions
@@ -197,4 +200,116 @@ def test_without_the_check_shared_memory_still_catches_a_reduce_op_mismatch(
         assert isinstance(message, str), message
         assert "different ops" in message or "aborted" in message, message
     assert any("check_args=True" in m for m in results), results
+    assert name not in live_groups()
+
+
+def _timed_outcome(fn: Callable[..., Any], rank: int, name: str) -> tuple[str, str, float]:
+    """Run ``fn(rank, name)``; return the error's type name, its message and the time taken."""
+    start = time.monotonic()
+    try:
+        fn(rank, name)
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "", "ok", time.monotonic() - start
+
+
+def _short_list_on_rank_1(rank: int, name: str) -> None:
+    outputs = [np.zeros(4) for _ in range(2 if rank == 1 else 3)]
+    col.allgather(outputs, np.ones(4), name)
+
+
+def _python_list_on_rank_2(rank: int, name: str) -> None:
+    col.reduce([1.0, 2.0] if rank == 2 else np.ones(4), 0, name)
+
+
+def _grad_leaf_on_rank_0(rank: int, name: str) -> None:
+    x = torch.ones(4, requires_grad=rank == 0)
+    col.broadcast(x, 1, name)
+
+
+def _bad_ranks_everywhere_else(rank: int, name: str) -> None:
+    col.broadcast(np.ones(4), 7 if rank != 0 else 0, name)
+
+
+LOCAL_ERRORS = {
+    "short_list": (
+        _short_list_on_rank_1,
+        "ArgumentValueError",
+        "rank 1 passed an invalid argument: tensor_list must hold 3 tensors (the world size)",
+    ),
+    "not_a_tensor": (
+        _python_list_on_rank_2,
+        "ArgumentTypeError",
+        "rank 2 passed an invalid argument: tensor must be a numpy.ndarray",
+    ),
+    "grad_leaf": (
+        _grad_leaf_on_rank_0,
+        "ArgumentValueError",
+        "rank 0 passed an invalid argument: tensor is a leaf tensor that requires grad",
+    ),
+    "two_ranks": (
+        _bad_ranks_everywhere_else,
+        "ArgumentValueError",
+        "ranks passed invalid arguments: rank 1: src_rank must be in [0, 3), got 7; rank 2:",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOCAL_ERRORS))
+def test_one_ranks_own_argument_error_is_raised_on_every_rank_at_once(
+    case: str, trio: tuple[list, str]
+) -> None:
+    actors, name = trio
+    fn, kind, expected = LOCAL_ERRORS[case]
+    outcomes = run_all(actors, _timed_outcome, [fn] * 3, range(3), [name] * 3)
+    for error_kind, message, elapsed in outcomes:
+        assert error_kind == kind, (error_kind, message)
+        assert expected in message and name in message, message
+        assert elapsed < OP_TIMEOUT.total_seconds() - 5, elapsed  # not the timeout
+    assert len({message for _, message, _ in outcomes}) == 1
+    assert run_all(actors, _sum, range(3), [name] * 3) == [24.0] * 3
+
+
+def _recv_into_a_grad_leaf(rank: int, name: str) -> tuple[str, str, float]:
+    if rank == 0:
+        return _timed_outcome(lambda r, n: col.send(np.ones(4, dtype=np.float32), 1, n), rank, name)
+    grad = torch.zeros(4, requires_grad=True)
+    return _timed_outcome(lambda r, n: col.recv(grad, 0, n), rank, name)
+
+
+def test_send_and_recv_both_raise_the_receivers_argument_error(trio: tuple[list, str]) -> None:
+    actors, name = trio
+    outcomes = ray.get(
+        [a.run.remote(_recv_into_a_grad_leaf, r, name) for r, a in enumerate(actors[:2])],
+        timeout=60,
+    )
+    for kind, message, elapsed in outcomes:
+        assert kind == "ArgumentValueError", message
+        assert "rank 1 passed an invalid argument: tensor is a leaf tensor" in message, message
+        assert elapsed < OP_TIMEOUT.total_seconds() - 5, elapsed  # not the timeout
+    assert run_all(actors, _sum, range(3), [name] * 3) == [24.0] * 3
+
+
+def _strict_checked(rank: int, name: str) -> tuple[str, str, float, list[float]]:
+    col.init_collective_group(
+        2, rank, "gloo", name, timeout=OP_TIMEOUT, check_args=True, strict_buffers=True
+    )
+    x = np.ones(4)
+    if rank == 1:
+        x.flags.writeable = False  # as an actor argument or a ray.get result would be
+    outcome = _timed_outcome(lambda r, n: col.allreduce(x, n), rank, name)
+    y = np.full(4, rank + 1.0)
+    col.allreduce(y, name)
+    col.destroy_collective_group(name)
+    return (*outcome, y.tolist())
+
+
+def test_strict_buffers_refuse_a_read_only_buffer_on_every_rank(members: list) -> None:
+    name = unique_name("strictchecked")
+    for kind, message, elapsed, after in run_all(members[:2], _strict_checked, [0, 1], [name] * 2):
+        assert kind == "ArgumentValueError", message
+        assert "rank 1 passed an invalid argument: tensor is a read-only numpy array" in message
+        assert "strict_buffers is set" in message
+        assert elapsed < OP_TIMEOUT.total_seconds() - 5, elapsed  # not the timeout
+        assert after == [3.0] * 4
     assert name not in live_groups()

@@ -21,11 +21,22 @@ import torch
 from ray.exceptions import RayTaskError
 
 import collective as col
+from collective.checks import MAX_GROUP_NAME_BYTES
 from tests.conftest import RAY_TIMEOUT_S, live_groups, run_all, unique_name
 
 OP_TIMEOUT = timedelta(seconds=2)
 SLACK_S = 5.0
 """A timed-out call must return within its timeout plus this."""
+
+
+OURS = {ValueError: col.ArgumentValueError, TypeError: col.ArgumentTypeError}
+"""The class each argument error is raised as: both the builtin and a RuntimeError."""
+
+
+def _assert_argument_error(error: Any, error_type: type[Exception]) -> None:
+    assert type(error) is OURS[error_type], repr(error)
+    assert isinstance(error, error_type) and isinstance(error, RuntimeError)
+    assert not isinstance(error, col.CollectiveError)
 
 
 def _names(message: str, word: str) -> bool:
@@ -85,6 +96,20 @@ INIT_ERRORS = {
     "backend_unknown": ({"backend": "mpi"}, ValueError, "backend"),
     "group_name_empty": ({"group_name": ""}, ValueError, "group_name"),
     "timeout_negative": ({"timeout": timedelta(seconds=-1)}, ValueError, "timeout"),
+    "gloo_timeout_negative_float": ({"gloo_timeout": -0.5}, ValueError, "gloo_timeout"),
+    "gloo_timeout_nan": ({"gloo_timeout": float("nan")}, ValueError, "gloo_timeout"),
+    "gloo_timeout_bool": ({"gloo_timeout": True}, TypeError, "gloo_timeout"),
+    "rank_numpy_float": ({"rank": np.float64(0)}, TypeError, "rank"),
+    "group_name_too_long": (
+        {"group_name": "g" * (MAX_GROUP_NAME_BYTES + 1)},
+        ValueError,
+        "group_name",
+    ),
+    "group_name_too_long_in_utf8": (
+        {"group_name": "\u00e9" * (MAX_GROUP_NAME_BYTES // 2 + 1)},
+        ValueError,
+        "group_name",
+    ),
 }
 
 
@@ -93,9 +118,22 @@ def test_init_rejects_bad_argument(case: str, members: list, no_leaks: None) -> 
     kwargs, error_type, argument = INIT_ERRORS[case]
     name = unique_name("badinit")
     error, exists = ray.get(members[0].run.remote(_init_error, kwargs, name), timeout=RAY_TIMEOUT_S)
-    assert type(error) is error_type, repr(error)
+    _assert_argument_error(error, error_type)
     assert _names(str(error), argument), str(error)
     assert not exists
+
+
+def _longest_name_works(name: str) -> tuple[int, list[float], bool]:
+    col.init_collective_group(1, 0, backend="gloo", group_name=name, gloo_timeout=20000.0)
+    x = np.ones(2)
+    col.allreduce(x, name)
+    return col.get_rank(name), x.tolist(), _destroy(name)
+
+
+def test_the_longest_group_name_the_store_carries_works(members: list, no_leaks: None) -> None:
+    name = unique_name("long").ljust(MAX_GROUP_NAME_BYTES, "x")
+    got = ray.get(members[0].run.remote(_longest_name_works, name), timeout=RAY_TIMEOUT_S)
+    assert got == (0, [1.0, 1.0], False)
 
 
 def test_init_nccl_says_it_is_unavailable_and_what_to_use(members: list, no_leaks: None) -> None:
@@ -169,7 +207,7 @@ def test_declare_rejects_bad_argument(case: str, members: list, no_leaks: None) 
         col.declare_collective_group(
             actors, world_size=world_size, ranks=ranks, backend="gloo", group_name=name
         )
-    assert type(info.value) is error_type
+    _assert_argument_error(info.value, error_type)
     assert _names(str(info.value), argument), str(info.value)
     assert live_groups() == []
     assert ray.get(members[0].run.remote(col.get_rank, name), timeout=RAY_TIMEOUT_S) == -1
@@ -227,22 +265,12 @@ def _overlapping_outputs(name: str) -> None:
     col.allgather([big[0:3], big[2:5]], np.ones(3), name)
 
 
-def _reducescatter_output_is_input(name: str) -> None:
-    inputs = [np.ones(3), np.ones(3)]
-    col.reducescatter(inputs[1], inputs, name)
-
-
-def _reducescatter_output_views_input(name: str) -> None:
+def _reducescatter_output_straddles_inputs(name: str) -> None:
     big = np.ones(6)
-    col.reducescatter(big[3:], [big[:3], big[3:]], name)
+    col.reducescatter(big[2:5], [big[:3], big[3:]], name)
 
 
-def _reducescatter_torch_output_is_input(name: str) -> None:
-    inputs = [torch.ones(3), torch.ones(3)]
-    col.reducescatter(inputs[0], inputs, name)
-
-
-OP_ERRORS: dict[str, tuple[Callable[[str], Any], type[BaseException], str]] = {
+OP_ERRORS: dict[str, tuple[Callable[[str], Any], type[Exception], str]] = {
     "allgather_list_too_short": (
         lambda g: col.allgather([np.zeros(3)], np.ones(3), g),
         ValueError,
@@ -277,16 +305,37 @@ OP_ERRORS: dict[str, tuple[Callable[[str], Any], type[BaseException], str]] = {
         TypeError,
         "tensor_list[1]",
     ),
-    "reducescatter_output_is_input": (_reducescatter_output_is_input, ValueError, "tensor_list[1]"),
-    "reducescatter_output_views_input": (
-        _reducescatter_output_views_input,
+    "reducescatter_output_straddles_inputs": (
+        _reducescatter_output_straddles_inputs,
+        ValueError,
+        "tensor_list[0]",
+    ),
+    "allreduce_grad_leaf": (
+        lambda g: col.allreduce(torch.ones(3, requires_grad=True), g),
+        ValueError,
+        "tensor",
+    ),
+    "allreduce_strided_grad_leaf": (
+        lambda g: col.allreduce(torch.zeros(3, 2).t().requires_grad_(), g),
+        ValueError,
+        "tensor",
+    ),
+    "allgather_grad_leaf_in_list": (
+        lambda g: col.allgather(
+            [torch.zeros(3), torch.zeros(3, requires_grad=True)], torch.ones(3), g
+        ),
         ValueError,
         "tensor_list[1]",
     ),
-    "reducescatter_torch_output_is_input": (
-        _reducescatter_torch_output_is_input,
+    "allreduce_group_name_too_long": (
+        lambda g: col.allreduce(np.ones(3), g * MAX_GROUP_NAME_BYTES),
         ValueError,
-        "tensor_list[0]",
+        "group_name",
+    ),
+    "allreduce_op_of_another_enum": (
+        lambda g: col.allreduce(np.ones(3), g, op=col.Backend.GLOO),
+        ValueError,
+        "op",
     ),
     "allreduce_python_list": (lambda g: col.allreduce([1.0, 2.0], g), TypeError, "tensor"),
     "broadcast_python_list": (lambda g: col.broadcast([1.0, 2.0], 0, g), TypeError, "tensor"),
@@ -501,7 +550,7 @@ class TestOpArgumentErrors:
         actors, name = pair
         _, error_type, argument = OP_ERRORS[case]
         error = ray.get(actors[0].run.remote(_op_error, case, name), timeout=RAY_TIMEOUT_S)
-        assert type(error) is error_type, repr(error)
+        _assert_argument_error(error, error_type)
         assert _names(str(error), argument), str(error)
         _assert_allreduce_works(actors, name)
 
@@ -539,6 +588,56 @@ def test_op_timeout_when_a_rank_never_calls(members: list, no_leaks: None) -> No
             actors[0].run.remote(_lonely_allreduce, name, OP_TIMEOUT), timeout=RAY_TIMEOUT_S
         )
         _assert_timed_out(error, elapsed, "allreduce", name, 0)
+        assert "ranks that joined it (op 1 of the group): [0]" in str(error), str(error)
+        assert "ranks that never joined it: [1] (rank 1 has issued 0 ops)" in str(error)
+    finally:
+        assert run_all(actors, _destroy, [name, name]) == [False, False]
+
+
+def _argument_error_on_rank_0(rank: int, name: str) -> tuple[Any, float, str, str]:
+    outputs = [np.zeros(3) for _ in range(1 if rank == 0 else 2)]
+    error, elapsed = _timed(col.allgather, outputs, np.ones(3), name, timeout=OP_TIMEOUT)
+    if rank == 0:
+        time.sleep(OP_TIMEOUT.total_seconds() + 3.0)  # until rank 1 has given up
+    later = _catch(col.barrier, name, timeout=OP_TIMEOUT)
+    return error, elapsed, type(later).__name__, str(later)
+
+
+def _retry_on_rank_0(rank: int, name: str) -> tuple[str, list[list[float]]]:
+    first = ""
+    if rank == 0:
+        first = type(_catch(col.allgather, [np.zeros(3)], np.ones(3), name)).__name__
+    outputs = [np.zeros(3) for _ in range(2)]
+    col.allgather(outputs, np.full(3, rank + 1.0), name, timeout=OP_TIMEOUT)
+    return first, [o.tolist() for o in outputs]
+
+
+def test_the_same_op_again_in_time_completes_without_check_args(
+    members: list, no_leaks: None
+) -> None:
+    actors, name = members[:2], unique_name("retry")
+    assert run_all(actors, _init, [2, 2], [0, 1], [name, name]) == [0, 1]
+    try:
+        results = run_all(actors, _retry_on_rank_0, [0, 1], [name, name])
+        assert results[0][0] == "ArgumentValueError"
+        assert [r[1] for r in results] == [[[1.0] * 3, [2.0] * 3]] * 2
+    finally:
+        assert run_all(actors, _destroy, [name, name]) == [False, False]
+
+
+def test_an_argument_error_on_one_rank_without_check_args(members: list, no_leaks: None) -> None:
+    """What troubleshooting.md says: the others time out naming the rank, then all are broken."""
+    actors, name = members[:2], unique_name("onesided")
+    assert run_all(actors, _init, [2, 2], [0, 1], [name, name]) == [0, 1]
+    try:
+        results = run_all(actors, _argument_error_on_rank_0, [0, 1], [name, name])
+        (error0, elapsed0, later0, text0), (error1, elapsed1, later1, text1) = results
+        _assert_argument_error(error0, ValueError)
+        assert elapsed0 < 1.0
+        _assert_timed_out(error1, elapsed1, "allgather", name, 1)
+        assert "ranks that never joined it: [0] (rank 0 has issued 0 ops)" in str(error1)
+        assert later0 == "CollectiveError" and "rank 1 reported" in text0, text0
+        assert later1 == "CollectiveError" and "unusable" in text1, text1
     finally:
         assert run_all(actors, _destroy, [name, name]) == [False, False]
 

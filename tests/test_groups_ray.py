@@ -104,7 +104,7 @@ def test_new_group_rejects_ranks_on_every_member(members: list, ranks: Any) -> N
         results = run_all(members, _bad_subgroup, [parent] * 4, [ranks] * 4)
     finally:
         run_all(members, _destroy, [parent] * 4)
-    expected = "TypeError" if isinstance(ranks, str) else "ValueError"
+    expected = "ArgumentTypeError" if isinstance(ranks, str) else "ArgumentValueError"
     for kind, message in results:
         assert kind == expected
         assert "ranks" in message

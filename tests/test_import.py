@@ -42,6 +42,8 @@ def test_public_names_are_all_exported() -> None:
             "manager",
             "registry",
             "multigpu",
+            "objectstore",
+            "outputs",
             "rendezvous",
             "signature",
             "store",

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import mmap
+import time
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
-from collective.tensor import DTYPES, CpuBuffer, TensorSpec, memory_span, overlaps, spec
+from collective import objectstore
+from collective.tensor import (
+    DTYPES,
+    GRAD_LEAF,
+    OVERLAPPING,
+    PARTIAL,
+    READ_ONLY,
+    SAME,
+    CpuBuffer,
+    TensorSpec,
+    aliasing,
+    copy_of,
+    memory_span,
+    overlaps,
+    spec,
+    write_hazards,
+)
+from collective.types import ArgumentTypeError
 
 
 def address(x: np.ndarray) -> int:
@@ -252,15 +273,27 @@ def test_read_only_staging_never_writes_back() -> None:
     assert t.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
-def test_read_only_numpy_array() -> None:
+def test_read_only_numpy_array_is_written_in_place_as_ray_does() -> None:
     a = np.arange(4.0)
     a.flags.writeable = False
-    with pytest.raises(ValueError, match=r"^out is a read-only array"):
-        CpuBuffer(a, "out", writable=True)
-    buf = CpuBuffer(a, "inp", writable=False)
-    assert buf.tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert buf.tensor.data_ptr() != address(a)  # a copy: torch may not alias read-only memory
+    buf = CpuBuffer(a, "out", writable=True)
+    assert buf.tensor.data_ptr() == address(a)  # no copy; the public functions decide
+    buf.tensor.fill_(5.0)
     buf.commit()
+    assert a.tolist() == [5.0] * 4 and not a.flags.writeable
+    buf = CpuBuffer(a, "inp", writable=False)
+    assert buf.tensor.data_ptr() == address(a)  # inputs are shared too, without a copy
+
+
+def test_read_only_strided_numpy_array_is_committed_through_a_writable_view() -> None:
+    base = np.zeros((3, 4))
+    base.flags.writeable = False
+    view = base[:, ::2]
+    buf = CpuBuffer(view, "out", writable=True)
+    assert buf.tensor.data_ptr() != address(view)
+    buf.tensor.fill_(2.0)
+    buf.commit()
+    assert base[:, ::2].tolist() == [[2.0] * 2] * 3 and base[:, 1::2].sum() == 0.0
 
 
 def test_self_overlapping_outputs_raise() -> None:
@@ -286,3 +319,62 @@ def test_outputs_overlapping_through_positive_strides_raise() -> None:
     windows = torch.arange(6.0).as_strided((3, 3), (1, 1))  # rows [0,1,2], [1,2,3], [2,3,4]
     with pytest.raises(ValueError, match="overlapping memory"):
         CpuBuffer(windows, "out", writable=True)
+
+
+# --- read-only, grad and aliasing helpers ----------------------------------------------------
+
+
+def test_write_hazards() -> None:
+    frozen = np.ones(3)
+    frozen.flags.writeable = False
+    assert write_hazards(frozen) == READ_ONLY
+    assert write_hazards(np.ones(3)) == 0 and write_hazards(torch.ones(3)) == 0
+    assert write_hazards(np.broadcast_to(np.arange(3.0), (2, 3))) == READ_ONLY | OVERLAPPING
+    assert write_hazards(torch.ones(1).expand(4)) == OVERLAPPING
+    leaf = torch.ones(3, requires_grad=True)
+    assert write_hazards(leaf) == GRAD_LEAF
+    strided = torch.zeros(3, 4).t().requires_grad_()
+    assert write_hazards(strided) == GRAD_LEAF and not strided.is_contiguous()
+    assert write_hazards(leaf * 2) == 0 and write_hazards(leaf.detach()) == 0
+    # torch keeps no read-only flag: a tensor over a frozen array outside Ray's object store
+    # cannot be told apart from any other tensor over foreign memory
+    with pytest.warns(UserWarning, match="not writable"):
+        assert write_hazards(torch.from_numpy(frozen)) == 0
+
+
+def test_aliasing_and_copy_of() -> None:
+    chunks = [np.ones(3), np.ones(3)]
+    assert aliasing(chunks[1], chunks) == [0, SAME]
+    flat = np.zeros(6)
+    assert aliasing(flat[3:], [flat[:3], flat[3:], flat[2:5]]) == [0, SAME, PARTIAL]
+    assert aliasing(flat[::2], [flat[:3], flat[1::2]]) == [PARTIAL, PARTIAL]
+    t = torch.arange(4.0)
+    assert aliasing(t, [t.view(4), t.view(2, 2), torch.zeros(4)]) == [SAME, PARTIAL, 0]
+    copied = copy_of(t)
+    assert copied.tolist() == t.tolist() and copied.data_ptr() != t.data_ptr()
+    assert copy_of(chunks[0]).tolist() == [1.0] * 3 and copy_of(chunks[0]) is not chunks[0]
+
+
+def test_spec_errors_are_runtime_errors_too() -> None:
+    with pytest.raises(RuntimeError) as info:
+        spec([1.0, 2.0], "x")
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ArgumentTypeError)
+
+
+def test_torch_tensor_over_a_plasma_mapping_is_read_only(tmp_path: Any) -> None:
+    """A file mapped under Ray's object store name stands in for the store itself."""
+    path = tmp_path / "plasmaTEST"
+    path.write_bytes(bytes(4096))
+    with path.open("r+b") as file:
+        mapped = mmap.mmap(file.fileno(), 4096)
+    try:
+        array = np.frombuffer(mapped, dtype=np.float32)
+        inside = torch.from_numpy(array)
+        time.sleep(objectstore.REFRESH_S)  # the mappings are read again at most this often
+        assert objectstore.holds(inside.data_ptr(), reread=True)
+        assert write_hazards(inside[8:]) == READ_ONLY
+        assert write_hazards(torch.from_numpy(np.ones(4, np.float32))) == 0
+        assert write_hazards(torch.ones(4)) == 0
+        del array, inside
+    finally:
+        mapped.close()

@@ -14,6 +14,8 @@ from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
     AllToAllOptions,
+    ArgumentTypeError,
+    ArgumentValueError,
     Backend,
     BarrierOptions,
     BroadcastOptions,
@@ -152,18 +154,18 @@ class BaseGroup(ABC):
         """Reject a buffer this backend cannot use.
 
         Raises:
-            TypeError: the buffer is on the wrong device kind or of an unsupported dtype.
+            ArgumentTypeError: the buffer is on the wrong device kind or of an unsupported dtype.
 
         """
         backend = self.backend_name()
         if spec.device.split(":")[0] != self.device_type:
             other = "gloo" if self.device_type == "cuda" else "nccl"
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name} must be a {self.device_type} tensor for a {backend} "
                 f"group, got one on {spec.device}; use a {other} group for it, or move it"
             )
         if spec.dtype not in self.dtypes:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name} has dtype {spec.dtype}, which the {backend} backend "
                 f"does not support; supported: {sorted(self.dtypes)}"
             )
@@ -172,19 +174,19 @@ class BaseGroup(ABC):
         """Reject a reduction this backend cannot apply to ``dtype`` tensors.
 
         Raises:
-            ValueError: the backend does not implement ``op``.
-            TypeError: ``op`` is not defined on ``dtype``, e.g. AVG on integers.
+            ArgumentValueError: the backend does not implement ``op``.
+            ArgumentTypeError: ``op`` is not defined on ``dtype``, e.g. AVG on integers.
 
         """
         if op not in self.supported_ops:
             names = ", ".join(o.name for o in ReduceOp if o in self.supported_ops)
-            raise ValueError(
+            raise ArgumentValueError(
                 f"the {self.backend_name()} backend does not support ReduceOp.{op.name}; "
                 f"supported: {names}"
             )
         if not op.accepts(dtype):
             kinds = "floating-point" if op is ReduceOp.AVG else "integer and bool"
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"ReduceOp.{op.name} does not take {dtype} tensors: op {op.name} takes "
                 f"{kinds} tensors only"
             )

@@ -82,6 +82,8 @@ class GlooGroup(BaseGroup):
         self._pg: Any = None
         self._watch: FailureWatch | None = None
         self._in_flight = InFlight()
+        self._ops = 0
+        """How many collectives this rank has issued on the group (send and recv excepted)."""
         dist = c10d()
         try:
             self._tcp_store = connect_tcp_store(store, rank, host, timeout)
@@ -92,7 +94,7 @@ class GlooGroup(BaseGroup):
             prefix = "/".join(p for p in (group_name, store.incarnation) if p)
             prefixed = dist.PrefixStore(f"{prefix}/", self._tcp_store)
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, pg_options)
-            self._watch = FailureWatch(store, rank, world_size, group_name)
+            self._watch = FailureWatch(store, rank, world_size, group_name, lambda: self._ops)
         except TimeoutError as exc:
             self.destroy_group()
             raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
@@ -114,14 +116,16 @@ class GlooGroup(BaseGroup):
             return False
         return True
 
-    def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
-        """Mark the group unusable after ``exc`` and return the error to raise.
+    def _fail(
+        self, op: str, timeout: timedelta, exc: BaseException, number: int = 0
+    ) -> CollectiveError:
+        """Mark the group unusable after ``exc`` in collective ``number``; return the error.
 
         After ``abort``, return the abort's error instead and report nothing.
         """
         if self._aborted is not None:
             return self._aborted_error(op)
-        self._error = self._failure(op, timeout, exc)
+        self._error = self._failure(op, timeout, exc, number)
         if self._watch is not None:
             self._watch.report(str(self._error))
         return self._error
@@ -158,9 +162,14 @@ class GlooGroup(BaseGroup):
         reported = watched and watch is not None and watch.failure is not None
         return self._aborted is not None or reported
 
-    def _failure(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
+    def _failure(
+        self, op: str, timeout: timedelta, exc: BaseException, number: int = 0
+    ) -> CollectiveError:
         if is_timeout(exc):
-            return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, str(exc))
+            detail = str(exc)
+            if number and self._watch is not None:
+                detail = f"{detail}; {self._watch.progress(number)}"
+            return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
         return CollectiveError(
             f"{op} on group {self.group_name!r} failed on rank {self.rank}: {exc}"
         )
@@ -186,10 +195,16 @@ class GlooGroup(BaseGroup):
         timeout = options.timeout or self.timeout
         with self._in_flight.lock:
             self._check_usable(destroyed=self._pg is None)
+            number = 0
+            if completion is not Completion.DIRECT_WAIT:
+                self._ops += 1
+                number = self._ops
             try:
-                work = GlooWork(self, op, start(options.timeout), timeout, finish, completion)
+                work = GlooWork(
+                    self, op, start(options.timeout), timeout, finish, completion, number
+                )
             except RuntimeError as exc:
-                raise self._fail(op, timeout, exc) from exc
+                raise self._fail(op, timeout, exc, number) from exc
             self._in_flight.add(work)
         if not options.async_op:
             work.wait()

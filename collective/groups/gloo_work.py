@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from collective.store import RendezvousStore
 from collective.tensor import CpuBuffer
-from collective.types import DEFAULT_TIMEOUT, CollectiveError, ReduceOp
+from collective.types import DEFAULT_TIMEOUT, ArgumentValueError, CollectiveError, ReduceOp
 from collective.work import OnceWork
 
 
@@ -83,7 +83,7 @@ def connect_tcp_store(store: RendezvousStore, rank: int, host: str, timeout: tim
 def one_buffer(tensors: Sequence[Any], name: str, writable: bool) -> CpuBuffer:
     """Return the single CPU buffer of a CPU group's op, or raise if there is not one."""
     if len(tensors) != 1:
-        raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
+        raise ArgumentValueError(f"the gloo backend takes one {name} per rank, got {len(tensors)}")
     return CpuBuffer(tensors[0], name, writable)
 
 
@@ -92,7 +92,9 @@ def buffer_list(
 ) -> list[CpuBuffer]:
     """Return the buffers of a CPU group's single tensor list, or raise if there is not one."""
     if len(tensor_lists) != 1:
-        raise ValueError(f"the gloo backend takes one {name} per rank, got {len(tensor_lists)}")
+        raise ArgumentValueError(
+            f"the gloo backend takes one {name} per rank, got {len(tensor_lists)}"
+        )
     return [CpuBuffer(t, f"{name}[{i}]", writable) for i, t in enumerate(tensor_lists[0])]
 
 
@@ -126,8 +128,10 @@ class WorkOwner(Protocol):
     def group_name(self) -> str:
         """Return the group's name."""
 
-    def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
-        """Turn a transport failure of ``op`` into the group's error."""
+    def _fail(
+        self, op: str, timeout: timedelta, exc: BaseException, number: int = 0
+    ) -> CollectiveError:
+        """Turn a transport failure of ``op``, the group's collective ``number``, into its error."""
 
     def _wait(self, op: str, torch_work: Any, timeout: timedelta | None) -> None:
         """Wait for a collective; raise ``CollectiveError`` when another rank failed."""
@@ -160,9 +164,15 @@ class GlooWork(OnceWork):
         timeout: timedelta,
         finish: Callable[[], None],
         completion: Completion,
+        number: int = 0,
     ) -> None:
-        """Track ``torch_work`` of ``op``; ``finish`` writes staged outputs back."""
+        """Track ``torch_work`` of ``op``; ``finish`` writes staged outputs back.
+
+        ``number`` counts the group's collectives from 1 (0 for send and recv): a
+        timeout asks the other ranks whether they reached it.
+        """
         super().__init__(timeout)
+        self._number = number
         self._owner = owner
         self._op = op
         self._torch_work = torch_work
@@ -179,9 +189,9 @@ class GlooWork(OnceWork):
         except CollectiveError as exc:
             self._error = exc
         except TimeoutError as exc:
-            self._error = self._owner._fail(self._op, effective, exc)
+            self._error = self._owner._fail(self._op, effective, exc, self._number)
         except RuntimeError as exc:
-            self._error = self._owner._fail(self._op, effective, exc)
+            self._error = self._owner._fail(self._op, effective, exc, self._number)
             self._owner._in_flight.discard(self)
         else:
             self._finish()
@@ -192,7 +202,7 @@ class GlooWork(OnceWork):
     def _give_up(self, timeout: timedelta | None) -> BaseException:
         effective = timeout or self._timeout or DEFAULT_TIMEOUT
         expired = TimeoutError(f"timed out waiting {effective} for the op to complete")
-        return self._owner._fail(self._op, effective, expired)
+        return self._owner._fail(self._op, effective, expired, self._number)
 
     def may_run(self) -> bool:
         """Return whether the op may still be running in gloo; never blocks."""

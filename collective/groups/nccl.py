@@ -57,6 +57,7 @@ from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,
     AllReduceOptions,
+    ArgumentValueError,
     Backend,
     BarrierOptions,
     BroadcastOptions,
@@ -334,7 +335,7 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         ins = per_device(tensors, "input_tensor_list")
         n = len(ins)
         if len(tensor_lists) != n:
-            raise ValueError(f"output_tensor_lists must hold {n} lists (one per GPU)")
+            raise ArgumentValueError(f"output_tensor_lists must hold {n} lists (one per GPU)")
         nranks = self.world_size * n
         outs = [
             buffers_on(tensor_lists[i], f"output_tensor_lists[{i}]", ins[i], nranks)
@@ -363,7 +364,7 @@ class NCCLGroup(NcclPointToPoint, BaseGroup):
         outs = per_device(tensors, "output_tensor_list")
         n = len(outs)
         if len(tensor_lists) != n:
-            raise ValueError(f"input_tensor_lists must hold {n} lists (one per GPU)")
+            raise ArgumentValueError(f"input_tensor_lists must hold {n} lists (one per GPU)")
         self.check_reduce_op(options.reduce_op, outs[0].dtype)
         op, nranks = NCCL_REDUCE_OPS[options.reduce_op], self.world_size * n
         ins = [

@@ -16,7 +16,12 @@ from typing import Any
 from collective import tensor
 from collective.store import RendezvousStore
 from collective.tensor import CudaBuffer
-from collective.types import CollectiveError, CollectiveTimeoutError, ReduceOp
+from collective.types import (
+    ArgumentValueError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    ReduceOp,
+)
 from collective.work import OnceWork
 
 NCCL_REDUCE_OPS: dict[ReduceOp, int] = {
@@ -276,14 +281,14 @@ class NcclWork(OnceWork):
 def per_device(tensors: Sequence[Any], name: str) -> list[CudaBuffer]:
     """Describe one buffer per device; they must agree in dtype and size."""
     if len(tensors) < 1:
-        raise ValueError(f"{name} must hold at least one tensor, got none")
+        raise ArgumentValueError(f"{name} must hold at least one tensor, got none")
     bufs = [tensor.cuda_buffer(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
     if len({b.device for b in bufs}) != len(bufs):
-        raise ValueError(f"the tensors of {name} must each be on a different GPU")
+        raise ArgumentValueError(f"the tensors of {name} must each be on a different GPU")
     first = bufs[0]
     for i, b in enumerate(bufs):
         if (b.dtype, b.count) != (first.dtype, first.count):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name}[{i}] holds {b.count} {b.dtype} but {name}[0] holds "
                 f"{first.count} {first.dtype}"
             )
@@ -293,11 +298,11 @@ def per_device(tensors: Sequence[Any], name: str) -> list[CudaBuffer]:
 def buffers_on(xs: Sequence[Any], name: str, like: CudaBuffer, length: int) -> list[CudaBuffer]:
     """Describe ``length`` buffers on ``like``'s device, of its dtype and size."""
     if len(xs) != length:
-        raise ValueError(f"{name} must hold {length} tensors, got {len(xs)}")
+        raise ArgumentValueError(f"{name} must hold {length} tensors, got {len(xs)}")
     bufs = [tensor.cuda_buffer(x, f"{name}[{j}]") for j, x in enumerate(xs)]
     for j, b in enumerate(bufs):
         if (b.device, b.dtype, b.count) != (like.device, like.dtype, like.count):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name}[{j}] holds {b.count} {b.dtype} on cuda:{b.device}, but must hold "
                 f"{like.count} {like.dtype} on cuda:{like.device}"
             )

@@ -15,6 +15,7 @@ from collective.groups.nccl_comm import buffers_on, per_device
 from collective.tensor import CudaBuffer
 from collective.types import (
     AllToAllOptions,
+    ArgumentValueError,
     CollectiveError,
     GatherOptions,
     RecvOptions,
@@ -58,11 +59,11 @@ class NcclPointToPoint:
     def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
         self._check_usable(self._destroyed)
         if len(tensors) != 1:
-            raise ValueError(f"{op} takes one tensor, got {len(tensors)}")
+            raise ArgumentValueError(f"{op} takes one tensor, got {len(tensors)}")
         b = tensor.cuda_buffer(tensors[0], "tensor")
         count = options.n_elements or b.count
         if count > b.count:
-            raise ValueError(f"n_elements must be at most {b.count}, got {count}")
+            raise ArgumentValueError(f"n_elements must be at most {b.count}, got {count}")
         timeout = options.timeout or self.timeout
         try:
             comm, peer_rank = self._pair_comm(b.device, peer, gpu, timeout)
@@ -140,17 +141,17 @@ class NcclPointToPoint:
     ) -> Work:
         """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j; grouped send/recv."""
         if len(outputs) != self.world_size or len(inputs) != self.world_size:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"alltoall takes {self.world_size} outputs and inputs, "
                 f"got {len(outputs)} and {len(inputs)}"
             )
         outs = [tensor.cuda_buffer(t, f"output_tensor_list[{j}]") for j, t in enumerate(outputs)]
         ins = [tensor.cuda_buffer(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)]
         if len({b.device for b in outs + ins}) != 1 or len({b.dtype for b in outs + ins}) != 1:
-            raise ValueError("alltoall's tensors must all be on one GPU and of one dtype")
+            raise ArgumentValueError("alltoall's tensors must all be on one GPU and of one dtype")
         me = self.rank
         if outs[me].count != ins[me].count:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"output_tensor_list[{me}] and input_tensor_list[{me}] (this rank's own share) "
                 f"must hold as many elements, got {outs[me].count} and {ins[me].count}"
             )

@@ -6,17 +6,21 @@ timeout: gloo's pending receives are not woken when another pair closes. So a
 rank that sees a failure writes it under every other rank's abort key in the
 group's rendezvous store, and each rank keeps one thread blocked on its own key.
 When the key is set, the thread records the failure, and every wait of that
-rank's ops sees it within one wait slice (50 ms). Any text but the stop marker
-under a rank's key counts as a failure report, whoever wrote it.
+rank's ops sees it within one wait slice (50 ms). A progress query found there
+(``progress.py``) is answered with the rank's op count, and the thread goes on
+watching; any other text but the stop marker counts as a failure report, whoever
+wrote it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from collective.groups import progress
 from collective.store import RendezvousStore
 from collective.types import CollectiveError
 
@@ -60,12 +64,20 @@ def _waited(work: Any, seconds: float) -> bool:
 class FailureWatch:
     """Watch one rank's abort key, and report this rank's failures to the others."""
 
-    def __init__(self, store: RendezvousStore, rank: int, world_size: int, group_name: str) -> None:
-        """Start the watch thread of ``rank`` on ``store``."""
+    def __init__(
+        self,
+        store: RendezvousStore,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        op_count: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """Start the watch thread of ``rank``; it answers progress queries with ``op_count()``."""
         self._store = store
         self._watched = store.watcher()
         self._rank = rank
         self._world_size = world_size
+        self._op_count = op_count
         self._failure: str | None = None
         self._stopped = False
         self._thread = threading.Thread(
@@ -87,9 +99,16 @@ class FailureWatch:
                 continue
             except (CollectiveError, RuntimeError):
                 return
+            if progress.is_query(value):
+                progress.answer(self._watched, key, value, self._rank, self._op_count())
+                continue
             if value != _STOP:
                 self._failure = value.decode(errors="replace")
             return
+
+    def progress(self, op_number: int) -> str:
+        """Ask the other ranks how far they got; describe who never joined op ``op_number``."""
+        return progress.ask(self._store, self._rank, self._world_size, op_number, abort_key)
 
     def report(self, failure: str) -> None:
         """Tell every other rank that this one failed with ``failure``; never raises."""

@@ -1,0 +1,100 @@
+"""Op progress: when an op times out, ask the peers which op of the group they have reached.
+
+Each rank counts the collective ops it issues on a group: a plain counter, nothing
+is sent per op. When an op times out, the rank writes a query under every peer's
+abort key in the rendezvous store, the key that the peer's ``FailureWatch`` thread
+is already blocked on. The thread answers with its count under a reply key and goes
+back to watching. A peer whose count is below the number of the op that timed out
+never joined that op.
+
+Point-to-point ops are not counted: two ranks issue them, so counts would differ.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+from collective.store import RendezvousStore
+from collective.types import CollectiveError
+
+QUERY = b"\x00progress/"
+"""How a query written under an abort key starts; ``<querier>/<nonce>`` follows."""
+
+ANSWER_WAIT = timedelta(seconds=2)
+"""How long a timed-out rank waits for all its peers' answers together."""
+
+
+def is_query(value: bytes) -> bool:
+    """Return whether ``value``, read from an abort key, is a progress query."""
+    return value.startswith(QUERY)
+
+
+def _reply_key(nonce: str, rank: int) -> str:
+    return f"progress/{nonce}/{rank}"
+
+
+def answer(store: RendezvousStore, key: str, query: bytes, rank: int, count: int) -> None:
+    """Answer ``query``, found under ``key``, with ``rank``'s op count; never raises.
+
+    The query is deleted before the answer is written, so that the querier's own
+    failure report, which follows the answer, is what the watch reads next.
+    """
+    nonce = query[len(QUERY) :].decode(errors="replace").rpartition("/")[2]
+    try:
+        store.delete(key)
+        store.set(_reply_key(nonce, rank), str(count).encode())
+    except (CollectiveError, TimeoutError, RuntimeError):
+        return
+
+
+def ask(
+    store: RendezvousStore,
+    rank: int,
+    world_size: int,
+    op_number: int,
+    query_key: Callable[[int], str],
+    wait: timedelta = ANSWER_WAIT,
+) -> str:
+    """Ask every peer for its op count; describe who joined op ``op_number`` and who never did.
+
+    Args:
+        store: the group's rendezvous store.
+        rank: this rank.
+        world_size: the group's size.
+        op_number: the number of the op that timed out here, counting from 1.
+        query_key: the key a peer's watch thread reads, by the peer's rank.
+        wait: how long to wait for all answers together.
+
+    Returns:
+        One line for the error message; it never raises.
+
+    """
+    nonce = uuid.uuid4().hex[:16]
+    peers = [r for r in range(world_size) if r != rank]
+    asked = []
+    for peer in peers:
+        try:
+            store.set(query_key(peer), QUERY + f"{rank}/{nonce}".encode())
+            asked.append(peer)
+        except (CollectiveError, TimeoutError, RuntimeError):
+            continue
+    deadline = time.monotonic() + wait.total_seconds()
+    counts: dict[int, int] = {}
+    for peer in asked:
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            counts[peer] = int(store.get(_reply_key(nonce, peer), left))
+            store.delete(_reply_key(nonce, peer))
+        except (CollectiveError, TimeoutError, RuntimeError, ValueError):
+            continue
+    joined = sorted([rank] + [p for p, c in counts.items() if c >= op_number])
+    missing = sorted(p for p, c in counts.items() if c < op_number)
+    line = f"ranks that joined it (op {op_number} of the group): {joined}; "
+    line += f"ranks that never joined it: {missing}"
+    if missing:
+        line += " (" + ", ".join(f"rank {p} has issued {counts[p]} ops" for p in missing) + ")"
+    silent = [p for p in peers if p not in counts]
+    return line + (f"; ranks that did not answer: {silent}" if silent else "")
