@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from collective.groups import progress
 from collective.groups.base import BaseGroup
 from collective.groups.cpu_connect import Member, Transports, connect
 from collective.groups.gloo import GlooGroup
@@ -263,19 +264,21 @@ class CpuGroup(BaseGroup):
         return topo.local_ranks[local_rank] if topo is not None else local_rank
 
     def _laggards(self) -> str:
-        """Describe which local ranks have not reached this rank's current collective."""
+        """Describe which ranks never joined this rank's current collective.
+
+        Each local rank publishes in the arena how many collectives it has entered;
+        the ranks on other nodes are not asked.
+        """
         arena = self._found.arena
         if self._steps is None or arena is None:
             return "the ranks on other nodes did not answer in time"
-        mine = self._steps.op
-        behind = [
-            f"rank {self._global_rank(r)} (at op #{int(arena.control[r, OP_SEQ])})"
+        counts = {
+            self._global_rank(r): int(arena.control[r, OP_SEQ])
             for r in range(self._steps.size)
-            if arena.control[r, OP_SEQ] < mine
-        ]
-        if not behind:
-            return f"every local rank reached op #{mine}; one of them did not finish it"
-        return f"op #{mine} was never reached by " + ", ".join(behind)
+            if self._global_rank(r) != self.rank
+        }
+        others = [r for r in range(self.world_size) if r != self.rank and r not in counts]
+        return progress.describe(self.rank, self._steps.op, counts, others, "are on other nodes")
 
     # --- ops ---------------------------------------------------------------------------------
 

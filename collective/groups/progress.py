@@ -90,11 +90,30 @@ def ask(
             store.delete(_reply_key(nonce, peer))
         except (CollectiveError, TimeoutError, RuntimeError, ValueError):
             continue
+    silent = [p for p in peers if p not in counts]
+    return describe(rank, op_number, counts, silent, "did not answer")
+
+
+def describe(
+    rank: int, op_number: int, counts: dict[int, int], unknown: list[int], why: str
+) -> str:
+    """Describe who joined op ``op_number``, given the op ``counts`` of the peers that said.
+
+    Args:
+        rank: this rank, which joined the op.
+        op_number: the number of the op that timed out here, counting from 1.
+        counts: how many ops each peer that could be asked has issued.
+        unknown: the peers whose count is not known.
+        why: why they are not known, e.g. ``"did not answer"``.
+
+    Returns:
+        One line for a timeout's message.
+
+    """
     joined = sorted([rank] + [p for p, c in counts.items() if c >= op_number])
     missing = sorted(p for p, c in counts.items() if c < op_number)
     line = f"ranks that joined it (op {op_number} of the group): {joined}; "
     line += f"ranks that never joined it: {missing}"
     if missing:
         line += " (" + ", ".join(f"rank {p} has issued {counts[p]} ops" for p in missing) + ")"
-    silent = [p for p in peers if p not in counts]
-    return line + (f"; ranks that did not answer: {silent}" if silent else "")
+    return line + (f"; ranks that {why}: {unknown}" if unknown else "")
