@@ -109,15 +109,14 @@ class _Connection:
 
     def _listen(self, handle: Any) -> None:
         import ray
-        from ray.exceptions import GetTimeoutError
 
         worker_id = ray.get_runtime_context().get_worker_id()
         acked = 0
         while True:
             try:
                 ref = handle.notices.remote(worker_id, acked, _NOTICE_WAIT_S)
-                notices = ray.get(ref, timeout=_NOTICE_WAIT_S + _RPC_GRACE_S)
-            except GetTimeoutError:
+                notices = _result(ref, _NOTICE_WAIT_S + _RPC_GRACE_S)
+            except TimeoutError:
                 continue
             except Exception:
                 break  # the store actor exited, or Ray shut down in this process
@@ -137,6 +136,22 @@ def set_end_handler(handler: EndHandler) -> None:
     _connection.on_end = handler
 
 
+def _result(ref: Any, timeout_s: float) -> Any:
+    """Return the value of the object ``ref`` once it is ready; raise its error if it failed.
+
+    Not ``ray.get``: Ray 2.60's ``ray.get`` from a thread other than the one running
+    the actor's task races with that task's end on the worker's task metrics, and we
+    measured the worker crash (SIGSEGV in ``TaskCounter::UnsetMetricStatus``) while
+    the notices listener and the failure watches wait in threads of their own. A
+    future is completed by a callback instead, outside that path.
+
+    Raises:
+        TimeoutError: the object was not ready within ``timeout_s``.
+
+    """
+    return ref.future().result(timeout=timeout_s)
+
+
 def _call(handle: Any, method: str, *args: Any, group: str, timeout_s: float = _RPC_GRACE_S) -> Any:
     """Call ``method`` on the store actor and return its result.
 
@@ -145,8 +160,7 @@ def _call(handle: Any, method: str, *args: Any, group: str, timeout_s: float = _
         CollectiveError: the store actor is dead or failed.
 
     """
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import RayActorError
 
     try:
         ref = getattr(handle, method).remote(*args)
@@ -154,8 +168,8 @@ def _call(handle: Any, method: str, *args: Any, group: str, timeout_s: float = _
         _connection.forget(handle)
         raise CollectiveError(f"the store actor of group {group!r} died: {exc}") from exc
     try:
-        return ray.get(ref, timeout=timeout_s)
-    except GetTimeoutError as exc:
+        return _result(ref, timeout_s)
+    except TimeoutError as exc:
         raise TimeoutError(f"the store actor gave no reply to {method} in {timeout_s}s") from exc
     except RayActorError as exc:
         _connection.forget(handle)
