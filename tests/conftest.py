@@ -14,7 +14,6 @@ import ray
 import collective as col
 from collective.rendezvous import STORE_ACTOR_NAME
 
-
 RAY_TIMEOUT_S = 120
 """Bound on every ray.get in the tests, so that a hang fails instead of stalling CI."""
 
