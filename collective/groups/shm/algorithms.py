@@ -113,11 +113,7 @@ class Collectives:
                 self._reduce_pieces(data[start:end], step, reducer, deadline)
                 continue
             out = data[start:end]
-            slots = [steps.peer_slot(r, step)[:length] for r in range(self.size)]
-            reducer(slots[0], slots[1], out)
-            for contribution in slots[2:]:
-                reducer(out, contribution, out)
-            reducer.finish(out)
+            reducer.fold([steps.peer_slot(r, step)[:length] for r in range(self.size)], out)
             steps.done(step)
 
     def _reduce_pieces(self, out: np.ndarray, step: int, reducer: Reducer, deadline: float) -> None:
@@ -127,12 +123,8 @@ class Collectives:
         piece = -(-length // n // reducer.itemsize) * reducer.itemsize
         spans = [(min(r * piece, length), min((r + 1) * piece, length)) for r in range(n)]
         a, b = spans[me]
-        slots = [steps.peer_slot(r, step)[a:b] for r in range(n)]
         mine = out[a:b]
-        reducer(slots[0], slots[1], mine)
-        for contribution in slots[2:]:
-            reducer(mine, contribution, mine)
-        reducer.finish(mine)
+        reducer.fold([steps.peer_slot(r, step)[a:b] for r in range(n)], mine)
         steps.done(step)
         result = steps.next()
         steps.free(result, deadline)
@@ -228,11 +220,7 @@ class Collectives:
             steps.collect_all(step, deadline)
             offset = me * piece
             parts = [steps.peer_slot(r, step)[offset : offset + length] for r in range(self.size)]
-            out = output[start:end]
-            reducer(parts[0], parts[1], out)
-            for contribution in parts[2:]:
-                reducer(out, contribution, out)
-            reducer.finish(out)
+            reducer.fold(parts, output[start:end])
             steps.done(step)
 
     def alltoall(

@@ -88,6 +88,16 @@ class Reducer:
         """
         self._combine(a, b, out)
 
+    def fold(self, parts: list[np.ndarray], out: np.ndarray) -> None:
+        """Reduce the two or more ``parts`` in their order into ``out``, then ``finish`` it.
+
+        Every rank that folds the same parts gets the same bits.
+        """
+        self._combine(parts[0], parts[1], out)
+        for contribution in parts[2:]:
+            self._combine(out, contribution, out)
+        self.finish(out)
+
     def finish(self, out: np.ndarray) -> None:
         """Complete a reduction in ``out``: divide by the world size for AVG."""
         if self.op is not ReduceOp.AVG or self._world_size == 1:
