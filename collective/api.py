@@ -51,6 +51,8 @@ def allreduce(
 
     """
     group = get_group_handle(group_name)
+    if timeout is None and async_op is False and group.allreduce_now(tensor, op):
+        return None
     with checking(group, "allreduce"):
         spec = checks.check_tensor(group, tensor, "tensor")
         op = checks.check_reduce_op(group, op, spec)

@@ -41,6 +41,11 @@ def holds(address: int, reread: bool = False) -> bool:
     return i >= 0 and address < ends[i]
 
 
+def read_since(moment: float) -> bool:
+    """Return whether the mappings were last read at or after ``moment`` (``time.monotonic``)."""
+    return _read_at >= moment
+
+
 def _plasma_ranges() -> tuple[list[int], list[int]]:
     """Return the sorted start and end addresses of this process's object store mappings."""
     ranges = []

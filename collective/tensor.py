@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +96,48 @@ def spec(x: Any, name: str) -> TensorSpec:
             f"{name} has unsupported dtype {dtype}; supported: {sorted(DTYPES)}"
         )
     return TensorSpec(kind, tuple(int(d) for d in shape), dtype, device)
+
+
+_PLAIN_TORCH_DTYPES: frozenset[Any] = frozenset()
+"""The torch dtypes ``plain_flat`` takes: those of ``DTYPES`` that numpy has too."""
+
+
+def plain_flat(x: Any) -> np.ndarray | None:
+    """Return a flat numpy view of ``x`` when it is a plain buffer to write in place, else None.
+
+    Plain means nothing to check or stage: a numpy array (no subclass), C-contiguous
+    and writeable, or a CPU torch tensor (no subclass) that is contiguous, does not
+    require grad, has a dtype numpy has, and does not lie in Ray's object store.
+    The view shares ``x``'s memory. The caller must still check the view's dtype
+    (see ``plain_dtype``); anything else goes through ``spec`` and the buffer checks.
+    """
+    if type(x) is np.ndarray:
+        flags = x.flags
+        return x.ravel() if flags.c_contiguous and flags.writeable else None
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor:
+        return None
+    global _PLAIN_TORCH_DTYPES
+    if not _PLAIN_TORCH_DTYPES:
+        _PLAIN_TORCH_DTYPES = frozenset(
+            getattr(torch, name) for name in DTYPES if name != "bfloat16"
+        )
+    if (
+        x.requires_grad
+        or not x.is_cpu
+        or x.layout is not torch.strided
+        or x.dtype not in _PLAIN_TORCH_DTYPES
+        or not x.is_contiguous()
+        or _in_object_store(x)
+    ):
+        return None
+    return x.numpy().ravel()
+
+
+def plain_dtype(dtype: np.dtype) -> str | None:
+    """Return the name of the numpy ``dtype`` if it is one of ``DTYPES`` in native order."""
+    name = dtype_name(dtype)
+    return name if name in DTYPES and dtype.isnative else None
 
 
 def int64_array(values: list[int]) -> Any:
@@ -225,16 +269,36 @@ def write_hazards(x: Any) -> int:
     return hazards
 
 
+_verdicts: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""Whether a torch storage over foreign memory lies in Ray's object store, once known."""
+_first_seen: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+"""When ``_in_object_store`` first met such a storage whose verdict is not known yet."""
+
+
 def _in_object_store(x: Any) -> bool:
     """Return whether the CPU torch tensor ``x`` lies in Ray's object store in this process.
 
-    Torch allocates a resizable storage itself, never there; only a tensor over foreign
-    memory (``torch.from_numpy``) may make the mappings be read again.
+    Torch allocates a resizable storage itself, never there. Only a storage over
+    foreign memory (``torch.from_numpy``, or any storage once ``.numpy()`` has
+    exported it) may make the mappings be read again. Its memory stays where it is
+    for its lifetime, so its verdict is kept once mappings read after it was first
+    met have given it: a long-lived tensor does not read them again.
     """
     address = x.data_ptr()
     if objectstore.holds(address):
         return True
-    return not x.untyped_storage().resizable() and objectstore.holds(address, reread=True)
+    storage = x.untyped_storage()
+    if storage.resizable():
+        return False
+    known = _verdicts.get(storage)
+    if known is not None:
+        return known
+    seen = _first_seen.setdefault(storage, time.monotonic())
+    found = objectstore.holds(address, reread=True)
+    if found or objectstore.read_since(seen):
+        _verdicts[storage] = found
+        _first_seen.pop(storage, None)
+    return found
 
 
 class _WritableInterface:

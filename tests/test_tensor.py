@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from collective import objectstore
+from collective import tensor as tensor_module
 from collective.tensor import (
     DTYPES,
     GRAD_LEAF,
@@ -24,6 +26,8 @@ from collective.tensor import (
     copy_of,
     memory_span,
     overlaps,
+    plain_dtype,
+    plain_flat,
     spec,
     write_hazards,
 )
@@ -361,20 +365,57 @@ def test_spec_errors_are_runtime_errors_too() -> None:
     assert isinstance(info.value, TypeError) and isinstance(info.value, ArgumentTypeError)
 
 
-def test_torch_tensor_over_a_plasma_mapping_is_read_only(tmp_path: Any) -> None:
-    """A file mapped under Ray's object store name stands in for the store itself."""
+@pytest.fixture
+def plasma(tmp_path: Any) -> Iterator[mmap.mmap]:
+    """Map a file under Ray's object store name: it stands in for the store itself."""
     path = tmp_path / "plasmaTEST"
     path.write_bytes(bytes(4096))
     with path.open("r+b") as file:
         mapped = mmap.mmap(file.fileno(), 4096)
-    try:
-        array = np.frombuffer(mapped, dtype=np.float32)
-        inside = torch.from_numpy(array)
-        time.sleep(objectstore.REFRESH_S)  # the mappings are read again at most this often
-        assert objectstore.holds(inside.data_ptr(), reread=True)
-        assert write_hazards(inside[8:]) == READ_ONLY
-        assert write_hazards(torch.from_numpy(np.ones(4, np.float32))) == 0
-        assert write_hazards(torch.ones(4)) == 0
-        del array, inside
-    finally:
-        mapped.close()
+    yield mapped
+    mapped.close()
+
+
+def test_torch_tensor_over_a_plasma_mapping_is_read_only(plasma: mmap.mmap) -> None:
+    array = np.frombuffer(plasma, dtype=np.float32)
+    inside = torch.from_numpy(array)
+    time.sleep(objectstore.REFRESH_S)  # the mappings are read again at most this often
+    assert objectstore.holds(inside.data_ptr(), reread=True)
+    assert write_hazards(inside[8:]) == READ_ONLY
+    assert write_hazards(torch.from_numpy(np.ones(4, np.float32))) == 0
+    assert write_hazards(torch.ones(4)) == 0
+    del array, inside
+
+
+def test_plain_flat_views_plain_buffers_and_declines_the_rest() -> None:
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    flat = plain_flat(array)
+    assert flat is not None and flat.shape == (6,)
+    flat[0] = 9
+    assert array[0, 0] == 9
+    tensor = torch.arange(4, dtype=torch.int64)
+    view = plain_flat(tensor)
+    assert view is not None
+    view[1] = 7
+    assert tensor[1].item() == 7
+    frozen = np.ones(3)
+    frozen.setflags(write=False)
+    for declined in (frozen, array.T, torch.ones(2, dtype=torch.bfloat16), [1.0]):
+        assert plain_flat(declined) is None
+    assert plain_dtype(np.dtype("float16")) == "float16"
+    assert plain_dtype(np.dtype(">f4")) is None
+    assert plain_dtype(np.dtype("complex64")) is None
+
+
+def test_a_torch_storage_keeps_its_object_store_verdict(plasma: mmap.mmap) -> None:
+    inside = torch.from_numpy(np.frombuffer(plasma, dtype=np.float32))
+    outside = torch.from_numpy(np.ones(4, np.float32))
+    time.sleep(objectstore.REFRESH_S)
+    assert plain_flat(inside) is None
+    assert plain_flat(inside[4:]) is None
+    for _ in range(2):  # the first sight may come before the next reading
+        assert plain_flat(outside) is not None
+        time.sleep(objectstore.REFRESH_S)
+    assert tensor_module._verdicts.get(outside.untyped_storage()) is False
+    assert plain_flat(inside) is None
+    del inside

@@ -191,6 +191,16 @@ class BaseGroup(ABC):
                 f"{kinds} tensors only"
             )
 
+    def allreduce_now(self, tensor: Any, op: Any) -> bool:
+        """Run a blocking allreduce of ``tensor`` by ``op`` at once, if this group can cheaply.
+
+        A backend with a path for short messages runs the op on it, as ``allreduce``
+        would with the group's timeout, and returns True; it returns False, having
+        done and checked nothing, for any call that path does not take. This one
+        takes none.
+        """
+        return False
+
     @abstractmethod
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce ``tensors`` across ranks; every rank's buffers receive the result."""

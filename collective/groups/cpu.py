@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from collective.groups import progress
 from collective.groups.base import BaseGroup
@@ -24,11 +24,12 @@ from collective.groups.plans import Flat, Hierarchy
 from collective.groups.shm.algorithms import Collectives, SizeMismatchError, Solo
 from collective.groups.shm.arena import OP_SEQ
 from collective.groups.shm.mail import Mail, MessageMismatchError
+from collective.groups.shm.short import ShortAllreduce
 from collective.groups.shm.steps import MismatchError, Steps, dtype_code
 from collective.groups.shm.sync import AbortedError, PeerDiedError, Waiter
 from collective.groups.watch import FailureWatch
 from collective.store import RendezvousStore
-from collective.tensor import DTYPES
+from collective.tensor import DTYPES, plain_flat
 from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,
@@ -42,6 +43,7 @@ from collective.types import (
     GatherOptions,
     GroupOptions,
     RecvOptions,
+    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
@@ -97,6 +99,8 @@ class CpuGroup(BaseGroup):
         self._found = Transports()
         self._waiter: Waiter | None = None
         self._steps: Steps | None = None
+        self._short: ShortAllreduce | None = None
+        self._timeout_s = timeout.total_seconds()
         self._mail: Mail | None = None
         self._plan: Flat | Hierarchy | None = None
         self._watch: FailureWatch | None = None
@@ -136,8 +140,14 @@ class CpuGroup(BaseGroup):
             local = Collectives(self._steps)
         if found.mode == "shm":
             self._plan = Flat(local, self.world_size)
+            if self._steps is not None:
+                self._short = ShortAllreduce(self._steps, self.world_size, self._accepts)
         else:
             self._plan = Hierarchy(topo, local, self._mail, found.leaders, self.world_size)
+
+    def _accepts(self, op: ReduceOp, dtype: str) -> bool:
+        """Return whether the checks of ``allreduce`` pass ``op`` on ``dtype`` buffers."""
+        return dtype in self.dtypes and op in self.supported_ops and op.accepts(dtype)
 
     # --- identity ----------------------------------------------------------------------------
 
@@ -193,12 +203,7 @@ class CpuGroup(BaseGroup):
             try:
                 body(time.monotonic() + timeout.total_seconds())
             except BaseException as exc:
-                error = self._failed(op, timeout, exc)
-                if error is exc:
-                    raise
-                # The cause's frames hold views of the arena; a group broken by it keeps
-                # the error, and the views would keep the arena mapped after destroy.
-                raise error from exc.with_traceback(None)
+                self._raise_failure(op, timeout, exc)
 
         stream = self._lane(lane)
         if not options.async_op and stream.enter():
@@ -213,6 +218,15 @@ class CpuGroup(BaseGroup):
             return task
         task.wait()
         return _DONE
+
+    def _raise_failure(self, op: str, timeout: timedelta, exc: BaseException) -> NoReturn:
+        """Raise what the caller sees of ``exc``, which ended ``op``; see ``_failed``."""
+        error = self._failed(op, timeout, exc)
+        if error is exc:
+            raise exc
+        # The cause's frames hold views of the arena; a group broken by it keeps
+        # the error, and the views would keep the arena mapped after destroy.
+        raise error from exc.with_traceback(None)
 
     def _failed(self, op: str, timeout: timedelta, exc: BaseException) -> BaseException:
         """Turn what ``exc`` says into the error the caller sees; break the group if needed."""
@@ -286,6 +300,33 @@ class CpuGroup(BaseGroup):
         if self._plan is None:
             raise CollectiveError(f"group {self.group_name!r} has been destroyed")
         return self._plan
+
+    def allreduce_now(self, tensor: Any, op: Any) -> bool:
+        """Run a blocking allreduce of a short plain buffer at once; see ``ShortAllreduce``.
+
+        Returns False, having done nothing, when the group has no short path (it
+        spans nodes, or this rank is alone), when the group cannot run ops (the
+        general path raises why), when an op is queued or running on this rank,
+        and for any call the short path does not take.
+        """
+        short = self._short
+        if short is None or type(op) is not ReduceOp or self._error is not None:
+            return False
+        flat = plain_flat(tensor)
+        watch = self._watch
+        if flat is None or self._closing or self._aborted is not None or watch is None:
+            return False
+        if watch.failure is not None:
+            return False
+        lane = self._lane("collective")
+        if not lane.enter():
+            return False
+        try:
+            return short(flat, op, time.monotonic() + self._timeout_s)
+        except BaseException as exc:
+            self._raise_failure("allreduce", self.timeout, exc)
+        finally:
+            lane.leave()
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""
@@ -514,8 +555,8 @@ class CpuGroup(BaseGroup):
         idle = all(lane.idle(_IDLE_S) for lane in lanes)
         self._plan = None
         if idle:
-            for user in (self._waiter, self._steps, self._mail):
+            for user in (self._waiter, self._steps, self._mail, self._short):
                 if user is not None:
                     user.release()
-            self._waiter, self._steps, self._mail = None, None, None
+            self._waiter, self._steps, self._mail, self._short = None, None, None, None
             self._found.close_arena()

@@ -86,7 +86,8 @@ class Lane:
     def __init__(self, name: str) -> None:
         """Make an idle lane; ``name`` names its worker thread."""
         self._name = name
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queue: deque[Task] = deque()
         self._busy = False
         self._stopped: BaseException | None = None
@@ -98,7 +99,7 @@ class Lane:
         A caller that got True runs its op, then calls ``leave``. This is ``submit``
         of a blocking op without the task: the common case, made cheap.
         """
-        with self._cond:
+        with self._lock:
             if self._busy or self._queue or self._stopped is not None:
                 return False
             self._busy = True
@@ -106,7 +107,7 @@ class Lane:
 
     def leave(self) -> None:
         """Release the lane claimed by ``enter``."""
-        with self._cond:
+        with self._lock:
             self._busy = False
             if self._queue:
                 self._cond.notify_all()

@@ -18,11 +18,15 @@ import numpy as np
 from collective.types import ReduceOp
 
 warnings.filterwarnings(
-    "ignore", category=RuntimeWarning, module=__name__, message=".*encountered in"
+    "ignore",
+    category=RuntimeWarning,
+    module=r"collective\.groups\.shm\.",
+    message=".*encountered in",
 )
-"""A float reduction that overflows gives inf, as gloo's does, without numpy's warning."""
+"""A float reduction that overflows gives inf, as gloo's does, without numpy's warning
+(here and in ``short``, which calls the same ufuncs)."""
 
-_UFUNCS: dict[ReduceOp, Any] = {
+UFUNCS: dict[ReduceOp, Any] = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,
     ReduceOp.PRODUCT: np.multiply,
@@ -62,7 +66,7 @@ class Reducer:
         if dtype == "bfloat16":
             self._combine = self._torch_combine(op)
         else:
-            ufunc = _UFUNCS[op]
+            ufunc = UFUNCS[op]
             typed = self.dtype
             self._combine = lambda a, b, out: ufunc(
                 a.view(typed), b.view(typed), out=out.view(typed)

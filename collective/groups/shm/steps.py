@@ -111,7 +111,9 @@ class Steps:
         self.nbuf = layout.nbuf
         self.waiter = waiter
         self.slots = [[arena.slot(r, b) for b in range(layout.nbuf)] for r in range(self.size)]
-        self._headers = arena.slot_headers
+        self._headers = [
+            [arena.slot_headers[r, b] for b in range(self.nbuf)] for r in range(self.size)
+        ]
         self.posted = counters(arena, POSTED)
         self.consumed = counters(arena, CONSUMED)
         self._control = arena.control[local_rank]
@@ -132,12 +134,16 @@ class Steps:
         self, kind: str, dtype: str = "", reduce_op: int = -1, root: int = -1, nbytes: int = 0
     ) -> None:
         """Start an op of ``Signature(kind, ...)``: count it, and announce it."""
-        self.op += 1
-        self._control[OP_SEQ] = self.op
         key = (kind, dtype, reduce_op, root)
         word = self._words.get(key)
         if word is None:
             word = self._words[key] = Signature(kind, dtype, reduce_op, root).word()
+        self.begin_signed(key, word, nbytes)
+
+    def begin_signed(self, key: tuple[str, str, int, int], word: int, nbytes: int) -> None:
+        """Start an op whose signature ``key`` packs into ``word``; see ``begin``."""
+        self.op += 1
+        self._control[OP_SEQ] = self.op
         self._sig = word
         self._nbytes = nbytes
         self._key = key
@@ -168,7 +174,7 @@ class Steps:
         It writes the slot's header, so ``free`` must have returned for ``step`` first,
         even when the step carries no data.
         """
-        header = self._headers[self.rank, step % self.nbuf]
+        header = self._headers[self.rank][step % self.nbuf]
         header[HDR_OP] = self.op
         header[HDR_SIG] = self._sig
         header[HDR_BYTES] = self._nbytes
@@ -182,7 +188,7 @@ class Steps:
 
         """
         self.waiter.wait(self.posted[rank], step + 1, deadline)
-        header = self._headers[rank, step % self.nbuf]
+        header = self._headers[rank][step % self.nbuf]
         if header[HDR_OP] != self.op or header[HDR_SIG] != self._sig:
             raise MismatchError(
                 f"local rank {rank} posted op #{int(header[HDR_OP])} with another signature "
@@ -212,8 +218,8 @@ class Steps:
 
     def release(self) -> None:
         """Drop every view of the arena, so that it can be unmapped; no step may follow."""
-        self.slots, self.posted, self.consumed = [], [], []
-        self._headers = self._control = np.zeros((0, 0, 0), np.int64)
+        self.slots, self.posted, self.consumed, self._headers = [], [], [], []
+        self._control = np.zeros(OP_SEQ + 1, np.int64)
 
     def all_counters(self) -> list[Counter]:
         """Return every counter of the arena's slots, to wake their sleepers."""
