@@ -208,8 +208,8 @@ def test_long_messages_stream_through_small_slots(world_size: int) -> None:
         np.testing.assert_array_equal(out["reducescatter"], chunk)
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_long_allreduce_among_three_or_more_splits_the_reduction(world_size: int) -> None:
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_long_allreduce_splits_the_reduction_among_the_ranks(world_size: int) -> None:
     count = SPLIT_ALLREDUCE_BYTES // 4 + 777  # float32: past the threshold, uneven pieces
 
     def fn(group: CpuGroup, rank: int) -> dict[str, Any]:
@@ -217,16 +217,21 @@ def test_long_allreduce_among_three_or_more_splits_the_reduction(world_size: int
         group.allreduce([x], AllReduceOptions())
         y = _inputs(rank, count // 2, "int64")
         group.allreduce([y], AllReduceOptions(ReduceOp.MIN))
-        return {"sum": x, "min": y}
+        z = _inputs(rank, count // 2 + 1, "float64")
+        group.allreduce([z], AllReduceOptions(ReduceOp.AVG))
+        return {"sum": x, "min": y, "avg": z}
 
     results = run_cpu(world_size, fn, slot_bytes=4096)
     ranks = range(world_size)
     want_sum = np.sum([_inputs(r, count, "float32") for r in ranks], axis=0)
     want_min = np.min([_inputs(r, count // 2, "int64") for r in ranks], axis=0)
+    want_avg = np.mean([_inputs(r, count // 2 + 1, "float64") for r in ranks], axis=0)
     for out in results:
         np.testing.assert_array_equal(out["sum"], results[0]["sum"])
         np.testing.assert_allclose(out["sum"], want_sum)
         np.testing.assert_array_equal(out["min"], want_min)
+        np.testing.assert_array_equal(out["avg"], results[0]["avg"])
+        np.testing.assert_allclose(out["avg"], want_avg)
 
 
 def test_send_recv_longer_than_the_mailboxes_both_ways_at_once() -> None:

@@ -15,8 +15,8 @@ from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.steps import Steps
 
 SPLIT_ALLREDUCE_BYTES = 256 << 10
-"""Allreduces of at least this many bytes among three or more local ranks split the
-reduction among the ranks (see ``Collectives.allreduce``)."""
+"""Allreduces of at least this many bytes split the reduction among the local ranks
+(see ``Collectives.allreduce``)."""
 
 _PIECE_ALIGN = 64
 """Pieces of a slot shared among ranks start at multiples of this many bytes."""
@@ -93,14 +93,18 @@ class Collectives:
     def allreduce(self, data: np.ndarray, reducer: Reducer, dtype: str, deadline: float) -> None:
         """Reduce every rank's ``data`` into every rank's ``data``, in place.
 
-        Short messages, and any message between two ranks, reduce every slot on
-        every rank (one step per slot of message). Longer messages among three or
-        more ranks split each slot of message into one piece per rank: rank i
-        reduces piece i and posts it, and every rank copies the others' pieces
-        (two steps per slot, and 1/ranks of the reduction work per rank).
+        Short messages reduce every slot on every rank (one step per slot of
+        message). Longer ones split the reduction: between two ranks, see
+        ``_allreduce_pair``; among three or more, each slot of message is cut into
+        one piece per rank: rank i reduces piece i and posts it, and every rank
+        copies the others' pieces (two steps per slot, and 1/ranks of the
+        reduction work per rank).
         """
         steps = self.steps
         steps.begin("allreduce", dtype, reducer.op.value, -1, data.size)
+        if self.size == 2 and data.size >= SPLIT_ALLREDUCE_BYTES:
+            self._allreduce_pair(data, reducer, deadline)
+            return
         split = self.size > 2 and data.size >= SPLIT_ALLREDUCE_BYTES
         for start, end in _spans(data.size, steps.slot_bytes):
             step = steps.next()
@@ -115,6 +119,37 @@ class Collectives:
             out = data[start:end]
             reducer.fold([steps.peer_slot(r, step)[:length] for r in range(self.size)], out)
             steps.done(step)
+
+    def _allreduce_pair(self, data: np.ndarray, reducer: Reducer, deadline: float) -> None:
+        """Allreduce a long message between two ranks: each reduces half of every chunk.
+
+        A chunk is two slots of message. Rank i hands the other rank the half it
+        reduces, reduces its own half of the chunk in place (the two contributions in
+        rank order), and hands the result over; each rank copies in the other's half.
+        That moves and computes less than both ranks reducing the whole chunk.
+        """
+        steps, me = self.steps, self.rank
+        peer = 1 - me
+        for start, end in _spans(data.size, 2 * steps.slot_bytes):
+            chunk = data[start:end]
+            half = -(-chunk.size // 2 // reducer.itemsize) * reducer.itemsize
+            pieces = (chunk[:half], chunk[half:])
+            own, theirs = pieces[me], pieces[peer]
+            given = steps.next()
+            steps.free(given, deadline)
+            steps.slot(given)[: theirs.size] = theirs
+            steps.post(given)
+            steps.collect(peer, given, deadline)
+            other = steps.peer_slot(peer, given)[: own.size]
+            reducer.fold([own, other] if me == 0 else [other, own], own)
+            steps.done(given)
+            result = steps.next()
+            steps.free(result, deadline)
+            steps.slot(result)[: own.size] = own
+            steps.post(result)
+            steps.collect(peer, result, deadline)
+            theirs[:] = steps.peer_slot(peer, result)[: theirs.size]
+            steps.done(result)
 
     def _reduce_pieces(self, out: np.ndarray, step: int, reducer: Reducer, deadline: float) -> None:
         """Reduce this rank's piece of ``step``'s slots, post it, and copy in the others'."""
