@@ -139,9 +139,10 @@ def allgather(
     group = get_group_handle(group_name)
     with checking(group, "allgather"):
         spec = checks.check_tensor(group, tensor, "tensor")
-        outputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
+        outputs = checks.check_outputs(
+            group, tensor_list, "tensor_list", spec, group.world_size, disjoint=True
+        )
         named = [(f"tensor_list[{i}]", t) for i, t in enumerate(outputs)]
-        checks.check_disjoint(named)
         options = AllGatherOptions(*checks.check_call(timeout, async_op))
         check_written(group, named)
     return issued(group.allgather([outputs], [tensor], options), async_op)

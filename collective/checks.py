@@ -221,14 +221,21 @@ def check_reduce_op(group: BaseGroup, op: Any, spec: TensorSpec) -> ReduceOp:
     return reduce_op
 
 
-def check_outputs(group: BaseGroup, xs: Any, name: str, like: TensorSpec, length: int) -> list[Any]:
+def check_outputs(
+    group: BaseGroup, xs: Any, name: str, like: TensorSpec, length: int, disjoint: bool = False
+) -> list[Any]:
     """Return ``xs`` as ``length`` buffers like ``like``: a list, or views of one flat buffer.
 
     A single contiguous buffer of ``length`` times ``like``'s element count and of
     its dtype stands for the list of its consecutive chunks; writing a chunk writes it.
+    With ``disjoint``, the buffers of a list must not share memory (the chunks of
+    one buffer never do); pass it for buffers the op writes.
     """
     if not tensor.is_buffer(xs):
-        return check_tensor_list(group, xs, name, like, length)
+        buffers = check_tensor_list(group, xs, name, like, length)
+        if disjoint:
+            check_disjoint([(f"{name}[{i}]", t) for i, t in enumerate(buffers)])
+        return buffers
     spec = check_tensor(group, xs, name)
     count = math.prod(like.shape) * length
     if spec.dtype != like.dtype or math.prod(spec.shape) != count:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
 import weakref
@@ -182,6 +183,9 @@ def _span(layout: tuple[int, int, list[tuple[int, int]]]) -> tuple[int, int]:
 
 def memory_span(x: Any) -> tuple[int, int]:
     """Return ``(first_byte_address, one_past_last_byte_address)`` of ``x``'s elements."""
+    if type(x) is np.ndarray and x.flags.c_contiguous:
+        start = x.__array_interface__["data"][0]
+        return start, start + x.nbytes
     return _span(_layout(x))
 
 
@@ -420,7 +424,7 @@ def chunks(x: Any, count: int, shape: tuple[int, ...]) -> list[Any]:
 
     The views share ``x``'s memory, so writing them writes ``x``.
     """
-    size = int(np.prod(shape, dtype=np.int64))
+    size = math.prod(shape)
     flat = x.reshape(-1)
     return [flat[i * size : (i + 1) * size].reshape(shape) for i in range(count)]
 
