@@ -1,7 +1,7 @@
 """Waiting on the arena's counters: spin briefly, then sleep on the shared word, bounded.
 
 Every counter has one writer, the local rank whose progress it counts. A rank
-that waits for a counter to reach a value polls it for a few tens of
+that waits for a counter to reach a value polls it for a few hundred
 microseconds (yielding the CPU at once when there are more local ranks than
 cores), then marks itself asleep in the counter's flags and sleeps on the
 counter's word with ``futex``. The writer, after advancing a counter, wakes the
@@ -32,8 +32,10 @@ from collective.groups.shm.arena import ABORT_WORD, Arena
 SLICE_S = 0.02
 """The longest single sleep: the delay before a dead peer or an abort is seen."""
 
-SPIN_POLLS = 400
-"""Polls of a counter before sleeping when every local rank has a core of its own."""
+SPIN_POLLS = 3000
+"""Polls of a counter before sleeping when every local rank has a core of its own: about
+300 µs, longer than waking a sleeper takes here. Against 400 polls, a 2-rank 8-byte
+alltoall took 158 instead of 200 µs, and a 1 MiB one 0.38 instead of 1.91 of gloo's time."""
 
 YIELD_ROUNDS = 16
 """Rounds of (poll, yield) before sleeping when local ranks outnumber the cores."""
