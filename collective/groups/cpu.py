@@ -35,6 +35,7 @@ from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
     AllToAllOptions,
+    ArgumentError,
     Backend,
     BarrierOptions,
     BroadcastOptions,
@@ -147,7 +148,11 @@ class CpuGroup(BaseGroup):
 
     def _accepts(self, op: ReduceOp, dtype: str) -> bool:
         """Return whether the checks of ``allreduce`` pass ``op`` on ``dtype`` buffers."""
-        return dtype in self.dtypes and op in self.supported_ops and op.accepts(dtype)
+        try:
+            self.check_reduce_op(op, dtype)
+        except ArgumentError:
+            return False
+        return dtype in self.dtypes
 
     # --- identity ----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from collective.groups.shm.kernels import UFUNCS
-from collective.groups.shm.steps import Signature, Steps
+from collective.groups.shm.steps import Steps
 from collective.tensor import plain_dtype
 from collective.types import ReduceOp
 
@@ -101,15 +101,15 @@ class ShortAllreduce:
         nbytes = count * dtype.itemsize
         if name is not None and nbytes <= self._limit and self._accepts(op, name):
             steps = self._steps
-            signature = Signature("allreduce", name, op.value, -1)
+            signed = ("allreduce", name, op.value, -1)
             parts = [
                 [steps.slots[r][b][:nbytes].view(dtype) for r in range(steps.size)]
                 for b in range(steps.nbuf)
             ]
             divisor = self._world_size if op is ReduceOp.AVG else 0
             plan = _Plan(
-                (signature.kind, name, op.value, -1),
-                signature.word(),
+                signed,
+                steps.signature_word(signed),
                 nbytes,
                 UFUNCS[op],
                 divisor,

@@ -135,10 +135,14 @@ class Steps:
     ) -> None:
         """Start an op of ``Signature(kind, ...)``: count it, and announce it."""
         key = (kind, dtype, reduce_op, root)
+        self.begin_signed(key, self.signature_word(key), nbytes)
+
+    def signature_word(self, key: tuple[str, str, int, int]) -> int:
+        """Return ``Signature(*key).word()``, packed once per key."""
         word = self._words.get(key)
         if word is None:
-            word = self._words[key] = Signature(kind, dtype, reduce_op, root).word()
-        self.begin_signed(key, word, nbytes)
+            word = self._words[key] = Signature(*key).word()
+        return word
 
     def begin_signed(self, key: tuple[str, str, int, int], word: int, nbytes: int) -> None:
         """Start an op whose signature ``key`` packs into ``word``; see ``begin``."""
