@@ -1,4 +1,4 @@
-"""Run the benchmark: every op x size x world size x implementation, alternating.
+"""Run the benchmark: every op x size x world size x implementation, interleaved.
 
 Usage: python -m benchmarks [--quick] [--sizes 8,4K,1M] [--ops allreduce,allgather]
        [--world-sizes 2,4] [--impls collective,collective_gloo,torch_gloo,...]
@@ -27,6 +27,10 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 PROBE_SIZE = 8
 PROBED = (OURS, OURS_GLOO, TORCH, RAY, COPY)
 """The implementations the 8-byte allreduce latency probe runs."""
+ROUNDS = 4
+"""Each point's samples are taken in up to this many rounds, every implementation once a
+round, so that a slow spell of the machine (this VM's speed drifts by 30% over seconds)
+falls on all of them rather than on the one that happened to run then."""
 
 
 def parse_size(text: str) -> int:
@@ -86,8 +90,18 @@ def arguments(argv: list[str]) -> argparse.Namespace:
 
 
 def iterations(size: int, most: int) -> int:
-    """Return ``most`` samples, fewer for big messages: about 512 MiB moved, 3 at least."""
-    return min(most, max(3, (512 << 20) // size))
+    """Return ``most`` samples, fewer for big messages: about 512 MiB moved, 5 at least."""
+    return min(most, max(5, (512 << 20) // size))
+
+
+def rounds(samples: int, warmup: int) -> list[tuple[int, int]]:
+    """Split ``samples`` into rounds of ``(samples, warm-up batches)``.
+
+    The first round warms up ``warmup`` batches; the later ones one batch, which takes
+    the page faults of the fresh buffers every round gets.
+    """
+    n = min(samples, ROUNDS)
+    return [(samples // n + (r < samples % n), warmup if r == 0 else 1) for r in range(n)]
 
 
 def make(impl: str) -> Any:
@@ -117,8 +131,38 @@ def rotated(items: list[str], k: int) -> list[str]:
     return items[shift:] + items[:shift]
 
 
+def measure_point(
+    runners: dict[str, Any],
+    op: str,
+    size: int,
+    n: int,
+    k: int,
+    args: argparse.Namespace,
+    bar: tuple[int, int],
+) -> list[dict[str, Any]]:
+    """Time ``op`` at ``size`` on every runner that has it, in rounds; return its records.
+
+    Every round runs each implementation once, who goes first rotating (``k`` is the
+    point's index); ``bar`` is the progress bar's ``(done, total)``.
+    """
+    runs = [impl for impl, runner in runners.items() if op in runner.ops]
+    times: dict[str, list[float]] = {impl: [] for impl in runs}
+    wrong = dict.fromkeys(runs, 0)
+    batch = {
+        impl: min(workloads.batch_for(size), runners[impl].max_batch, args.batch) for impl in runs
+    }
+    for r, (samples, warmup) in enumerate(rounds(iterations(size, args.iters), args.warmup)):
+        for impl in rotated(runs, k + r):
+            progress(*bar, f"{impl} {op} {size} B, {n} ranks, round {r + 1}")
+            got, bad = runners[impl].run(op, size, workloads.Plan(samples, warmup, batch[impl]))
+            times[impl] += got
+            wrong[impl] = max(wrong[impl], bad)
+    real = workloads.actual_size(op, size, n)
+    return [report.record(i, op, n, real, times[i], wrong[i], batch[i]) for i in runs]
+
+
 def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict]:
-    """Measure every point, alternating implementations; return records, probes and skips."""
+    """Measure every point, interleaving implementations; return records, probes and skips."""
     unavailable: dict[str, str] = {}
     why = peers.ray_collective_available()
     impls = list(args.impls)
@@ -148,16 +192,9 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, 
                 probes.append(report.latency(impl, n, PROBE_SIZE, times))
                 done += 1
             for k, (op, size) in enumerate(cases):
-                for impl in rotated(impls, k):
-                    if op not in runners[impl].ops:
-                        continue
-                    progress(done, total, f"{impl} {op} {size} B, {n} ranks")
-                    batch = min(workloads.batch_for(size), runners[impl].max_batch, args.batch)
-                    plan = workloads.Plan(iterations(size, args.iters), args.warmup, batch)
-                    times, wrong = runners[impl].run(op, size, plan)
-                    real = workloads.actual_size(op, size, n)
-                    records.append(report.record(impl, op, n, real, times, wrong, batch))
-                    done += 1
+                point = measure_point(runners, op, size, n, k, args, (done, total))
+                records += point
+                done += len(point)
         finally:
             for runner in runners.values():
                 runner.stop()

@@ -148,3 +148,15 @@ def test_expected_results_match_a_numpy_simulation(world_size: int, size: int) -
             assert out.shape == want.shape, (op, rank)
             assert workloads.wrong(op, want, size, world_size, rank) == 0
             assert workloads.wrong(op, np.zeros_like(want), size, world_size, rank) > 0
+
+
+@pytest.mark.parametrize("samples", [1, 2, 3, 5, 8, 20])
+def test_rounds_take_every_sample_once_and_warm_up_each_round(samples: int) -> None:
+    from benchmarks.__main__ import ROUNDS, rounds
+
+    plan = rounds(samples, warmup=3)
+    assert len(plan) == min(samples, ROUNDS)
+    assert sum(n for n, _ in plan) == samples
+    assert all(n >= 1 for n, _ in plan)
+    assert max(n for n, _ in plan) - min(n for n, _ in plan) <= 1
+    assert [w for _, w in plan] == [3] + [1] * (len(plan) - 1)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from collective.groups.cpu import CpuGroup
+from collective.groups.shm import algorithms
 from collective.groups.shm.algorithms import SPLIT_ALLREDUCE_BYTES
 from collective.groups.shm.arena import SHM_DIR, Layout
 from collective.store import TCPRendezvousStore
@@ -232,6 +233,30 @@ def test_long_allreduce_splits_the_reduction_among_the_ranks(world_size: int) ->
         np.testing.assert_array_equal(out["min"], want_min)
         np.testing.assert_array_equal(out["avg"], results[0]["avg"])
         np.testing.assert_allclose(out["avg"], want_avg)
+
+
+def test_two_rank_allreduce_reduces_each_half_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(algorithms, "REDUCE_BLOCK_BYTES", 4096)
+    count = (
+        SPLIT_ALLREDUCE_BYTES // 2 + 13
+    )  # 16 blocks a half of a 64 KiB-slot chunk, and a short one
+    inputs = {r: _inputs(r, count, "float32") * (r + 0.5) for r in range(2)}
+
+    def fn(group: CpuGroup, rank: int) -> dict[str, np.ndarray]:
+        x = inputs[rank].copy()
+        group.allreduce([x], AllReduceOptions())
+        y = torch.from_numpy(inputs[rank]).to(torch.bfloat16)
+        group.allreduce([y], AllReduceOptions(ReduceOp.AVG))
+        return {"sum": x, "avg": y.float().numpy()}
+
+    results = run_cpu(2, fn, slot_bytes=64 << 10)
+    want_avg = (
+        torch.from_numpy(inputs[0]).to(torch.bfloat16)
+        + torch.from_numpy(inputs[1]).to(torch.bfloat16)
+    ) / 2
+    for out in results:
+        np.testing.assert_array_equal(out["sum"], inputs[0] + inputs[1])
+        np.testing.assert_array_equal(out["avg"], want_avg.float().numpy())
 
 
 def test_send_recv_longer_than_the_mailboxes_both_ways_at_once() -> None:
