@@ -27,10 +27,11 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 PROBE_SIZE = 8
 PROBED = (OURS, OURS_GLOO, TORCH, RAY, COPY)
 """The implementations the 8-byte allreduce latency probe runs."""
-ROUNDS = 4
+ROUNDS = 3
 """Each point's samples are taken in up to this many rounds, every implementation once a
 round, so that a slow spell of the machine (this VM's speed drifts by 30% over seconds)
-falls on all of them rather than on the one that happened to run then."""
+falls on all of them rather than on the one that happened to run then. The last round
+checks the result."""
 
 
 def parse_size(text: str) -> int:
@@ -151,10 +152,14 @@ def measure_point(
     batch = {
         impl: min(workloads.batch_for(size), runners[impl].max_batch, args.batch) for impl in runs
     }
-    for r, (samples, warmup) in enumerate(rounds(iterations(size, args.iters), args.warmup)):
+    plan = rounds(iterations(size, args.iters), args.warmup)
+    for r, (samples, warmup) in enumerate(plan):
         for impl in rotated(runs, k + r):
             progress(*bar, f"{impl} {op} {size} B, {n} ranks, round {r + 1}")
-            got, bad = runners[impl].run(op, size, workloads.Plan(samples, warmup, batch[impl]))
+            last = r == len(plan) - 1
+            got, bad = runners[impl].run(
+                op, size, workloads.Plan(samples, warmup, batch[impl], check=last)
+            )
             times[impl] += got
             wrong[impl] = max(wrong[impl], bad)
     real = workloads.actual_size(op, size, n)

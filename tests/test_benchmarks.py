@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -160,3 +161,14 @@ def test_rounds_take_every_sample_once_and_warm_up_each_round(samples: int) -> N
     assert all(n >= 1 for n, _ in plan)
     assert max(n for n, _ in plan) - min(n for n, _ in plan) <= 1
     assert [w for _, w in plan] == [3] + [1] * (len(plan) - 1)
+
+
+def test_only_a_checking_plan_counts_wrong_results() -> None:
+    def call(op: str, x: np.ndarray, out: np.ndarray) -> Any:
+        return lambda: None  # an allreduce that does nothing leaves every element wrong
+
+    for check, want in ((True, 4), (False, 0)):
+        plan = workloads.Plan(iters=2, warmup=0, check=check)
+        times, wrong = workloads.measure("allreduce", 16, 2, 0, plan, call, lambda: None)
+        assert len(times) == 2
+        assert wrong == want
