@@ -27,11 +27,6 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 PROBE_SIZE = 8
 PROBED = (OURS, OURS_GLOO, TORCH, RAY, COPY)
 """The implementations the 8-byte allreduce latency probe runs."""
-ROUNDS = 3
-"""Each point's samples are taken in up to this many rounds, every implementation once a
-round, so that a slow spell of the machine (this VM's speed drifts by 30% over seconds)
-falls on all of them rather than on the one that happened to run then. The last round
-checks the result."""
 
 
 def parse_size(text: str) -> int:
@@ -101,7 +96,7 @@ def rounds(samples: int, warmup: int) -> list[tuple[int, int]]:
     The first round warms up ``warmup`` batches; the later ones one batch, which takes
     the page faults of the fresh buffers every round gets.
     """
-    n = min(samples, ROUNDS)
+    n = min(samples, workloads.ROUNDS)
     return [(samples // n + (r < samples % n), warmup if r == 0 else 1) for r in range(n)]
 
 

@@ -35,7 +35,8 @@ HOW_TO_READ = [
     "- Time is the median over the samples of the slowest rank's time per op, with the",
     "  min and max beside it. Below 1 MiB a sample times a batch of back-to-back ops",
     "  (`batch`, from the size) and counts their mean; the ranks meet before each sample.",
-    "  A point's samples are taken in up to 3 rounds, each implementation once a round,",
+    f"  A point's samples are taken in up to {workloads.ROUNDS} rounds, each implementation"
+    " once a round,",
     "  so that the machine's slow spells fall on every implementation alike.",
     "- algbw = size / time; busbw = algbw x nccl-tests' factor of the op.",
     f"- `t/gloo` is the median time over raw torch gloo's ({TORCH}) at the same point:",

@@ -51,6 +51,12 @@ BATCH_BYTES = 1 << 20
 MAX_BATCH = 64
 """At most this many back-to-back ops per timed sample."""
 
+ROUNDS = 3
+"""Each point's samples are taken in up to this many rounds, every implementation once a
+round, so that a slow spell of the machine (this VM's speed drifts by 30% over seconds)
+falls on all of them rather than on the one that happened to run then. The last round
+checks the result."""
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -153,7 +153,8 @@ def test_expected_results_match_a_numpy_simulation(world_size: int, size: int) -
 
 @pytest.mark.parametrize("samples", [1, 2, 3, 5, 8, 20])
 def test_rounds_take_every_sample_once_and_warm_up_each_round(samples: int) -> None:
-    from benchmarks.__main__ import ROUNDS, rounds
+    from benchmarks.__main__ import rounds
+    from benchmarks.workloads import ROUNDS
 
     plan = rounds(samples, warmup=3)
     assert len(plan) == min(samples, ROUNDS)
