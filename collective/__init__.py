@@ -17,16 +17,8 @@ from collective.lifecycle import (
     declare_collective_group,
     destroy_all_collective_groups,
     destroy_collective_group,
-    get_collective_group_size,
-    get_collective_groups,
     get_group_handle,
-    get_rank,
-    gloo_available,
     init_collective_group,
-    is_backend_available,
-    is_group_initialized,
-    list_collective_groups,
-    nccl_available,
 )
 from collective.multigpu import (
     allgather_multigpu,
@@ -37,6 +29,16 @@ from collective.multigpu import (
     reducescatter_multigpu,
     send_multigpu,
     synchronize,
+)
+from collective.queries import (
+    get_collective_group_size,
+    get_collective_groups,
+    get_rank,
+    gloo_available,
+    is_backend_available,
+    is_group_initialized,
+    list_collective_groups,
+    nccl_available,
 )
 from collective.registry import register_collective_backend
 from collective.subgroups import new_group

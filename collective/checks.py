@@ -16,8 +16,8 @@ from types import TracebackType
 from typing import Any
 
 from collective import tensor
+from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup
-from collective.signature import CheckedGroup
 from collective.tensor import TensorSpec
 from collective.types import (
     ArgumentError,

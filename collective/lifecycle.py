@@ -1,4 +1,4 @@
-"""Create, find, query and destroy groups; the Ray-facing half of the public API."""
+"""Create, find and destroy groups; the Ray-facing half of the public API (see ``queries``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks, registry, rendezvous
+from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup, constructor
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
-from collective.signature import CheckedGroup
 from collective.types import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -37,6 +37,11 @@ def _ray() -> Any:
 def _in_ray_worker() -> bool:
     ray = _ray()
     return ray.is_initialized() and ray._private.worker.global_worker.mode == ray.WORKER_MODE
+
+
+def ray_running() -> bool:
+    """Return whether Ray is initialized in this process (a driver connected, or a worker)."""
+    return bool(_ray().is_initialized())
 
 
 def node_ip() -> str:
@@ -91,11 +96,11 @@ def create_group(group_name: str, build: Callable[[], tuple[BaseGroup, Any]]) ->
         CollectiveError: a group of that name exists here or is being built.
 
     """
-    _close_ended(group_name)
+    close_ended(group_name)
     _manager.create(group_name, build)
 
 
-def _close_ended(group_name: str) -> str | None:
+def close_ended(group_name: str) -> str | None:
     """Close this process's copy of ``group_name`` if its driver ended it; return why it ended."""
     entry, reason = _manager.take_ended(group_name)
     if entry is not None:
@@ -103,7 +108,7 @@ def _close_ended(group_name: str) -> str | None:
     return reason
 
 
-def _declared_rank(group_name: str) -> tuple[Declaration, int] | None:
+def declared_rank(group_name: str) -> tuple[Declaration, int] | None:
     """Return the declaration of ``group_name`` and this actor's rank in it, or None."""
     if not _in_ray_worker():
         return None
@@ -115,7 +120,7 @@ def _declared_rank(group_name: str) -> tuple[Declaration, int] | None:
 
 
 def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | None:
-    found = _declared_rank(group_name)
+    found = declared_rank(group_name)
     if found is None:
         return None
     declaration, rank = found
@@ -129,6 +134,16 @@ def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | N
         declared=True,
         options=declaration.options,
     )
+
+
+def held_group(group_name: str) -> BaseGroup | None:
+    """Return this process's built group ``group_name``, or None; builds nothing."""
+    return _manager.get(checks.check_group_name(group_name))
+
+
+def held_names() -> list[str]:
+    """Return the names of this process's groups, those its driver ended included."""
+    return _manager.names()
 
 
 def get_group_handle(group_name: str = "default") -> BaseGroup:
@@ -152,7 +167,7 @@ def group_entry(group_name: str) -> tuple[BaseGroup, Any]:
     entry = _manager.entry(group_name)
     if entry is not None:
         return entry
-    ended = _close_ended(group_name)
+    ended = close_ended(group_name)
     _manager.get_or_build(group_name, lambda: _build_declared(group_name))
     entry = _manager.entry(group_name)
     if entry is None and ended is not None:
@@ -322,52 +337,6 @@ def destroy_collective_group(group_name: str = "default") -> None:
         rendezvous.end_group(group_name)
 
 
-def is_group_initialized(group_name: str = "default") -> bool:
-    """Return whether this process has built the group ``group_name``."""
-    return _manager.get(checks.check_group_name(group_name)) is not None
-
-
-def _membership(group_name: str) -> tuple[int, int]:
-    """Return ``(rank, world_size)`` of this process in ``group_name``, or ``(-1, -1)``."""
-    group = _manager.get(checks.check_group_name(group_name))
-    if group is not None:
-        return group.rank, group.world_size
-    _close_ended(group_name)
-    found = _declared_rank(group_name)
-    return (found[1], found[0].world_size) if found else (-1, -1)
-
-
-def get_rank(group_name: str = "default") -> int:
-    """Return this process's rank in ``group_name``, or -1 if it is not a member.
-
-    A group declared from the driver answers before it is built.
-    """
-    return _membership(group_name)[0]
-
-
-def get_collective_group_size(group_name: str = "default") -> int:
-    """Return the world size of ``group_name``, or -1 if this process is not a member.
-
-    A group declared from the driver answers before it is built.
-    """
-    return _membership(group_name)[1]
-
-
-def is_backend_available(backend: Backend | str) -> bool:
-    """Return whether groups of ``backend`` can be created in this process."""
-    return registry.is_available(registry.backend_name(backend))
-
-
-def gloo_available() -> bool:
-    """Return whether the gloo backend can be used here."""
-    return is_backend_available(Backend.GLOO)
-
-
-def nccl_available() -> bool:
-    """Return whether the nccl backend can be used here."""
-    return is_backend_available(Backend.NCCL)
-
-
 def destroy_all_collective_groups() -> None:
     """Destroy every group this process holds; from the driver, also end every group of its job.
 
@@ -381,36 +350,3 @@ def destroy_all_collective_groups() -> None:
     if ray.is_initialized() and not _in_ray_worker():
         for name in rendezvous.list_groups():
             destroy_collective_group(name)
-
-
-def list_collective_groups() -> list[str]:
-    """Return the names of the live groups of this job, in every process.
-
-    A group is listed from its creation or declaration until it is destroyed, or
-    until all its members are dead. Subgroups made by ``new_group`` meet inside their
-    parent's rendezvous and are not listed.
-    """
-    return rendezvous.list_groups() if _ray().is_initialized() else []
-
-
-def get_collective_groups(
-    actors: list[Any] | None = None, backend: Backend | str | None = None
-) -> list[str]:
-    """Return the names of groups: this process's, or those that contain every one of ``actors``.
-
-    Args:
-        actors: None for the groups this process holds (inside an actor); or actor
-            handles, for the live groups of the job whose members include them all.
-        backend: keep only groups of this backend.
-
-    """
-    wanted = None if backend is None else registry.backend_name(backend)
-    if actors is None:
-        groups = ((name, _manager.get(name)) for name in _manager.names())
-        return [n for n, g in groups if g is not None and wanted in (None, g.backend_name())]
-    if not isinstance(actors, (list, tuple)):
-        raise ArgumentTypeError(
-            f"actors must be a list of actor handles, got {type(actors).__name__}"
-        )
-    ids = sorted({actor._ray_actor_id.hex() for actor in actors})
-    return rendezvous.groups_with(ids, wanted) if _ray().is_initialized() else []

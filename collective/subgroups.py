@@ -110,7 +110,7 @@ def new_group(
     if me not in ranks:
         return None
     rank = ranks.index(me)
-    if lifecycle.is_group_initialized(name):
+    if lifecycle.held_group(name) is not None:
         error = f"group {name!r} is already initialized on parent rank {me}"
         _publish(meeting, me, {"error": error})
         raise CollectiveError(f"new_group cannot make {name!r}: {error}")

@@ -33,6 +33,7 @@ def test_public_names_are_all_exported() -> None:
         and name
         not in {
             "api",
+            "checked",
             "checks",
             "exchange",
             "groups",
@@ -44,6 +45,7 @@ def test_public_names_are_all_exported() -> None:
             "multigpu",
             "objectstore",
             "outputs",
+            "queries",
             "rendezvous",
             "signature",
             "store",

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from collective import objectstore
-from collective import tensor as tensor_module
 from collective.tensor import (
     DTYPES,
     GRAD_LEAF,
@@ -31,6 +30,7 @@ from collective.tensor import (
     spec,
     write_hazards,
 )
+from collective.tensor import memory as tensor_memory
 from collective.types import ArgumentTypeError
 
 
@@ -416,6 +416,6 @@ def test_a_torch_storage_keeps_its_object_store_verdict(plasma: mmap.mmap) -> No
     for _ in range(2):  # the first sight may come before the next reading
         assert plain_flat(outside) is not None
         time.sleep(objectstore.REFRESH_S)
-    assert tensor_module._verdicts.get(outside.untyped_storage()) is False
+    assert tensor_memory._verdicts.get(outside.untyped_storage()) is False
     assert plain_flat(inside) is None
     del inside

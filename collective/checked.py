@@ -1,0 +1,283 @@
+"""CheckedGroup: before every op, the ranks compare what they are about to do.
+
+A group built with ``check_args=True`` is wrapped in a ``CheckedGroup``. Before
+each collective, every rank contributes its call's signature (see ``signature``)
+to an allgather on the group itself. If the signatures disagree, every rank
+raises the same ``ArgumentValueError``, naming the ranks and how they differ,
+and no data moves. Send and recv swap signatures with their peer only. The check
+costs one small allgather (or one swap) per op.
+
+A rank whose own argument checks failed still takes part: its signature carries
+the error's kind and length, and a second exchange, made only then, carries the
+messages. Every rank then raises the same error, and the group stays usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, NoReturn
+
+from collective import signature
+from collective.groups.base import BaseGroup
+from collective.tensor import TensorSpec, array_bytes, byte_array, copy_of, int64_array
+from collective.types import (
+    AllGatherOptions,
+    AllReduceOptions,
+    AllToAllOptions,
+    ArgumentError,
+    ArgumentValueError,
+    Backend,
+    BarrierOptions,
+    BroadcastOptions,
+    CollectiveError,
+    GatherOptions,
+    RecvOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+    SendOptions,
+)
+from collective.work import Work
+
+
+class CheckedGroup(BaseGroup):
+    """A group that checks every op's arguments across ranks before running it."""
+
+    def __init__(self, inner: BaseGroup) -> None:
+        """Wrap ``inner``; every op is checked, then delegated to it."""
+        super().__init__(
+            inner.world_size, inner.rank, inner.group_name, inner.timeout, inner.options
+        )
+        self._inner = inner
+
+    @property
+    def inner(self) -> BaseGroup:
+        """Return the wrapped group."""
+        return self._inner
+
+    @property
+    def error(self) -> CollectiveError | None:
+        """Return the wrapped group's failure, or None if it is healthy."""
+        return self._inner.error
+
+    def backend(self) -> Backend | str:  # type: ignore[override]
+        """Return the wrapped group's backend."""
+        return self._inner.backend()
+
+    def backend_name(self) -> str:  # type: ignore[override]
+        """Return the wrapped group's backend name."""
+        return self._inner.backend_name()
+
+    @property
+    def transport(self) -> str:
+        """Return how the wrapped group moves bytes."""
+        return self._inner.transport
+
+    @property
+    def device_type(self) -> str:  # type: ignore[override]
+        """Return the device kind the wrapped group takes."""
+        return self._inner.device_type
+
+    def check_reduce_op(self, op: ReduceOp, dtype: str) -> None:
+        """Reject a reduction the wrapped group cannot apply to ``dtype``."""
+        self._inner.check_reduce_op(op, dtype)
+
+    @classmethod
+    def check_backend_availability(cls) -> bool:
+        """Return True: the wrapper needs nothing of its own."""
+        return True
+
+    def check_tensor(self, described: TensorSpec, name: str) -> None:
+        """Reject a buffer the wrapped group cannot use."""
+        self._inner.check_tensor(described, name)
+
+    def refuse(self, op: str, error: ArgumentError, peer: int | None = None) -> NoReturn:
+        """Raise ``error``, this rank's argument error in ``op``, on every rank that takes part.
+
+        The other ranks learn of it in the signature exchange of their own call; for
+        send and recv that is ``peer`` alone. The exchange uses the group's timeout.
+        """
+        slots = signature.blank(op, self.world_size)
+        if peer is None:
+            self._agree(op, slots, None, error)
+        else:
+            self._swap(op, None, peer, op == "send", None, error)
+        raise error
+
+    def _agree(
+        self,
+        op: str,
+        slots: list[int],
+        timeout: timedelta | None,
+        error: ArgumentError | None = None,
+    ) -> None:
+        """Allgather ``slots`` over the group; raise the same error on every rank if they differ.
+
+        Raises:
+            ArgumentError: a rank's own checks failed (``error`` here), or the ranks
+                passed different arguments.
+
+        """
+        message = signature.mark_error(slots, error)
+        mine = int64_array(slots)
+        gathered = [int64_array([0] * len(slots)) for _ in range(self.world_size)]
+        self._inner.allgather([gathered], [mine], AllGatherOptions(timeout)).wait()
+        signatures = [g.tolist() for g in gathered]
+        if any(signature.error_length(s) for s in signatures):
+            width = max(1, *(signature.error_length(s) for s in signatures))
+            texts = [byte_array(b"", width) for _ in range(self.world_size)]
+            options = AllGatherOptions(timeout)
+            self._inner.allgather([texts], [byte_array(message, width)], options).wait()
+            messages = [array_bytes(t, width) for t in texts]
+            raise signature.argument_error(op, self.group_name, signatures, messages) from error
+        lines = signature.describe_mismatch(signatures, self.world_size)
+        if lines:
+            raise ArgumentValueError(
+                f"{op} on group {self.group_name!r}: the ranks passed different arguments; "
+                + "; ".join(lines)
+            )
+
+    def _tensor_op(
+        self,
+        op: str,
+        x: Any,
+        timeout: timedelta | None,
+        root: int = signature.UNSET,
+        reduce_op: ReduceOp | None = None,
+        count: int = signature.UNSET,
+    ) -> None:
+        slots = signature.of_call(op, self.world_size, x, root, reduce_op, count)
+        self._agree(op, slots, timeout)
+
+    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
+        """Check, then reduce into every rank's tensor in place."""
+        self._tensor_op("allreduce", tensors[0], options.timeout, reduce_op=options.reduce_op)
+        return self._inner.allreduce(tensors, options)
+
+    def barrier(self, options: BarrierOptions) -> Work:
+        """Check, then block until every rank has entered the barrier."""
+        self._tensor_op("barrier", None, options.timeout)
+        return self._inner.barrier(options)
+
+    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
+        """Check, then reduce onto the root's tensor in place."""
+        self._tensor_op("reduce", tensors[0], options.timeout, options.root_rank, options.reduce_op)
+        return self._inner.reduce(tensors, options)
+
+    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
+        """Check, then copy the root's tensor into every other rank's, in place."""
+        self._tensor_op("broadcast", tensors[0], options.timeout, options.root_rank)
+        return self._inner.broadcast(tensors, options)
+
+    def allgather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: AllGatherOptions,
+    ) -> Work:
+        """Check, then write rank i's tensor into element i of every rank's list."""
+        count = len(tensor_lists[0])
+        self._tensor_op("allgather", tensors[0], options.timeout, count=count)
+        return self._inner.allgather(tensor_lists, tensors, options)
+
+    def reducescatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ReduceScatterOptions,
+    ) -> Work:
+        """Check, then reduce element i of every list into rank i's tensor, in place."""
+        count = len(tensor_lists[0])
+        self._tensor_op(
+            "reducescatter", tensors[0], options.timeout, reduce_op=options.reduce_op, count=count
+        )
+        return self._inner.reducescatter(tensors, tensor_lists, options)
+
+    def gather(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: GatherOptions,
+    ) -> Work:
+        """Check, then write rank i's tensor into element i of the root's list."""
+        self._tensor_op("gather", tensors[0], options.timeout, options.root_rank)
+        return self._inner.gather(tensor_lists, tensors, options)
+
+    def scatter(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ScatterOptions,
+    ) -> Work:
+        """Check, then write element i of the root's list into rank i's tensor."""
+        self._tensor_op("scatter", tensors[0], options.timeout, options.root_rank)
+        return self._inner.scatter(tensors, tensor_lists, options)
+
+    def alltoall(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
+    ) -> Work:
+        """Check the per-peer sizes, then exchange ``inputs[j]`` for ``outputs[j]``."""
+        slots = signature.of_alltoall(self.world_size, outputs, inputs)
+        self._agree("alltoall", slots, options.timeout)
+        return self._inner.alltoall(outputs, inputs, options)
+
+    def _swap(
+        self,
+        op: str,
+        x: Any,
+        peer: int,
+        sends_first: bool,
+        timeout: Any,
+        error: ArgumentError | None = None,
+    ) -> None:
+        """Swap signatures with ``peer``; raise the same error on both if they do not match."""
+        slots = signature.of_call(op, self.world_size, x, root=peer)
+        message = signature.mark_error(slots, error)
+        other = self._exchange(int64_array(slots), peer, sends_first, timeout).tolist()
+        if signature.error_length(slots) or signature.error_length(other):
+            width = max(1, signature.error_length(slots), signature.error_length(other))
+            theirs = self._exchange(byte_array(message, width), peer, sends_first, timeout)
+            signatures = [signature.blank(op, self.world_size) for _ in range(self.world_size)]
+            messages = [b""] * self.world_size
+            signatures[self.rank], messages[self.rank] = slots, message
+            signatures[peer], messages[peer] = other, array_bytes(theirs, width)
+            raise signature.argument_error(op, self.group_name, signatures, messages) from error
+        lines = signature.describe_pair(op, slots, other, self.rank, peer)
+        if lines:
+            raise ArgumentValueError(
+                f"{op} on group {self.group_name!r}: ranks {sorted((self.rank, peer))} passed "
+                "different arguments; " + "; ".join(lines)
+            )
+
+    def _exchange(self, mine: Any, peer: int, sends_first: bool, timeout: Any) -> Any:
+        """Send ``mine`` to ``peer`` and receive a buffer like it back, in a deadlock-free order."""
+        theirs = copy_of(mine)
+        send, recv = SendOptions(peer, timeout=timeout), RecvOptions(peer, timeout=timeout)
+        if sends_first:
+            self._inner.send([mine], send).wait()
+            self._inner.recv([theirs], recv).wait()
+        else:
+            self._inner.recv([theirs], recv).wait()
+            self._inner.send([mine], send).wait()
+        return theirs
+
+    def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
+        """Check with the receiver, then send the tensor to ``options.dst_rank``."""
+        self._swap("send", tensors[0], options.dst_rank, True, options.timeout)
+        return self._inner.send(tensors, options)
+
+    def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
+        """Check with the sender, then receive into the tensor in place."""
+        self._swap("recv", tensors[0], options.src_rank, False, options.timeout)
+        return self._inner.recv(tensors, options)
+
+    def abort(self, reason: str) -> None:
+        """Abort the wrapped group's pending ops."""
+        super().abort(reason)
+        self._inner.abort(reason)
+
+    def destroy_group(self) -> None:
+        """Destroy the wrapped group."""
+        self._inner.destroy_group()

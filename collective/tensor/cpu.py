@@ -1,0 +1,143 @@
+"""CPU buffers as the CPU backend moves them: in place when it can, staged when it must."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from collective.tensor.kinds import DTYPES, dtype_name
+from collective.tensor.memory import in_object_store, overlap_message, self_overlapping
+from collective.types import ArgumentValueError
+
+_PLAIN_TORCH_DTYPES: frozenset[Any] = frozenset()
+"""The torch dtypes ``plain_flat`` takes: those of ``DTYPES`` that numpy has too."""
+
+
+def plain_flat(x: Any) -> np.ndarray | None:
+    """Return a flat numpy view of ``x`` when it is a plain buffer to write in place, else None.
+
+    Plain means nothing to check or stage: a numpy array (no subclass), C-contiguous
+    and writeable, or a CPU torch tensor (no subclass) that is contiguous, does not
+    require grad, has a dtype numpy has, and does not lie in Ray's object store.
+    The view shares ``x``'s memory. The caller must still check the view's dtype
+    (see ``plain_dtype``); anything else goes through ``spec`` and the buffer checks.
+    """
+    if type(x) is np.ndarray:
+        flags = x.flags
+        return x.ravel() if flags.c_contiguous and flags.writeable else None
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor:
+        return None
+    global _PLAIN_TORCH_DTYPES
+    if not _PLAIN_TORCH_DTYPES:
+        _PLAIN_TORCH_DTYPES = frozenset(
+            getattr(torch, name) for name in DTYPES if name != "bfloat16"
+        )
+    if (
+        x.requires_grad
+        or not x.is_cpu
+        or x.layout is not torch.strided
+        or x.dtype not in _PLAIN_TORCH_DTYPES
+        or not x.is_contiguous()
+        or in_object_store(x)
+    ):
+        return None
+    return x.numpy().ravel()
+
+
+class _WritableInterface:
+    """An ``__array_interface__`` of a numpy array with its read-only flag cleared."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
+        self.array = array
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """Return ``array`` itself if writeable, else a writeable view of the same memory.
+
+    This is what ``ray.util.collective`` does through ``torch.from_numpy``: Ray maps
+    its object store read-write, so writing the view writes the object in place.
+    The view keeps ``array`` alive.
+    """
+    if array.flags.writeable:
+        return array
+    return np.asarray(_WritableInterface(array))
+
+
+class CpuBuffer:
+    """A contiguous CPU buffer standing for a user buffer during one op.
+
+    It shares memory with the user's buffer when that buffer is contiguous,
+    read-only numpy arrays included: they are written in place, as Ray does (the
+    public functions decide first whether to allow it). Otherwise it is a staged
+    copy, and ``commit`` copies the result back into the user's buffer.
+    ``tensor`` is it as a torch tensor (for gloo); ``bytes`` is it as a flat numpy
+    ``uint8`` array (for shared memory).
+    """
+
+    def __init__(self, source: Any, name: str, writable: bool) -> None:
+        """Wrap ``source`` (a CPU numpy array or torch tensor) for one op.
+
+        Raises:
+            ArgumentValueError: ``source`` must be written but overlaps itself.
+
+        """
+        self._source = source
+        self._tensor: Any = None
+        is_numpy = isinstance(source, np.ndarray)
+        shares = source.flags.c_contiguous if is_numpy else source.is_contiguous()
+        self._staged = writable and not shares
+        if self._staged and self_overlapping(source):
+            raise ArgumentValueError(overlap_message(name))
+        if is_numpy:
+            if shares:
+                self._array: Any = _writable(source) if writable else source
+            else:
+                self._array = np.array(source, order="C", copy=True)
+        else:
+            self._array = None
+            self._tensor = source if shares else source.contiguous()
+
+    @property
+    def tensor(self) -> Any:
+        """Return the buffer as a contiguous CPU torch tensor."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.from_numpy(_writable(self._array))
+        return self._tensor
+
+    @property
+    def bytes(self) -> np.ndarray:
+        """Return the buffer's memory as a flat ``uint8`` numpy array (a view)."""
+        if self._array is not None:
+            return self._array.reshape(-1).view(np.uint8)
+        import torch
+
+        return self._tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+    @property
+    def dtype(self) -> str:
+        """Return the buffer's dtype name, e.g. ``"bfloat16"``."""
+        if self._array is not None:
+            return dtype_name(self._array.dtype)
+        return str(self._tensor.dtype).removeprefix("torch.")
+
+    @property
+    def torch_dtype(self) -> Any:
+        """Return the buffer's dtype as a torch dtype."""
+        return self.tensor.dtype
+
+    def commit(self) -> None:
+        """Copy the result into the user's buffer if it was staged; otherwise do nothing."""
+        if not self._staged:
+            return
+        if isinstance(self._source, np.ndarray):
+            np.copyto(_writable(self._source), self._array)
+        else:
+            self._source.copy_(self._tensor)

@@ -1,0 +1,136 @@
+"""CUDA buffers as the nccl backend moves them: address, count, dtype, device and stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from collective.tensor.kinds import is_cupy, is_torch, spec
+from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError
+
+NCCL_DTYPES: dict[str, int] = {
+    "int8": 0,
+    "uint8": 1,
+    "int32": 2,
+    "int64": 4,
+    "float16": 6,
+    "float32": 7,
+    "float64": 8,
+    "bfloat16": 9,
+}
+"""NCCL's ``ncclDataType_t`` value of each dtype name the nccl backend moves (nccl.h)."""
+
+
+@dataclass(frozen=True)
+class CudaBuffer:
+    """A contiguous GPU buffer as NCCL sees it: address, element count, dtype and device."""
+
+    ptr: int
+    count: int
+    dtype: str
+    device: int
+    itemsize: int
+
+    @property
+    def nccl_dtype(self) -> int:
+        """Return NCCL's ``ncclDataType_t`` value of the buffer's dtype."""
+        return NCCL_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Return the buffer's size in bytes."""
+        return self.count * self.itemsize
+
+
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> bool:
+    if strides is None:
+        return True
+    expected = itemsize
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def cuda_buffer(x: Any, name: str) -> CudaBuffer:
+    """Describe ``x``, a cupy array or CUDA torch tensor, for an NCCL call.
+
+    Raises:
+        ArgumentTypeError: ``x`` is no GPU buffer, or its dtype is one NCCL does not move.
+        ArgumentValueError: ``x`` is not contiguous.
+
+    """
+    if is_torch(x) and x.device.type == "cuda":
+        dtype = str(x.dtype).removeprefix("torch.")
+        contiguous = x.is_contiguous()
+        ptr, count, device, itemsize = x.data_ptr(), x.numel(), x.device.index, x.element_size()
+    elif is_cupy(x):
+        interface = x.__cuda_array_interface__
+        dtype, shape, itemsize = x.dtype.name, tuple(interface["shape"]), x.dtype.itemsize
+        contiguous = _c_contiguous(shape, interface.get("strides"), itemsize)
+        ptr, device = interface["data"][0], x.device.id
+        count = int(np.prod(shape, dtype=np.int64))
+    else:
+        found = spec(x, name).device if isinstance(x, np.ndarray) or is_torch(x) else None
+        where = f"a buffer on {found}" if found else f"a {type(x).__qualname__}"
+        raise ArgumentTypeError(f"{name} must be a cupy array or a CUDA torch tensor, got {where}")
+    if dtype not in NCCL_DTYPES:
+        raise ArgumentTypeError(
+            f"{name} has dtype {dtype}, which NCCL does not move; supported: {sorted(NCCL_DTYPES)}"
+        )
+    if not contiguous:
+        raise ArgumentValueError(f"{name} must be contiguous for NCCL; pass a contiguous copy")
+    return CudaBuffer(int(ptr), count, dtype, int(device), int(itemsize))
+
+
+def current_stream(x: Any) -> int:
+    """Return the handle of the caller's current CUDA stream on ``x``'s device.
+
+    That is torch's current stream for a torch tensor and cupy's for a cupy array.
+    """
+    if is_torch(x):
+        import torch
+
+        return int(torch.cuda.current_stream(x.device).cuda_stream)
+    with x.device:
+        import cupy
+
+        return int(cupy.cuda.get_current_stream().ptr)
+
+
+def record_stream(x: Any, stream: int) -> None:
+    """Tell torch's caching allocator that ``stream`` uses ``x``, so it is not reused early.
+
+    Cupy arrays need no record: the group holds a reference to them until the work
+    on ``stream`` has finished.
+    """
+    if is_torch(x):
+        import torch
+
+        x.record_stream(torch.cuda.ExternalStream(stream, device=x.device))
+
+
+def synchronize_device(gpu_id: int) -> None:
+    """Block until all work queued on GPU ``gpu_id`` has finished.
+
+    Raises:
+        CollectiveError: neither cupy nor torch with CUDA is installed.
+
+    """
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        cupy.cuda.Device(gpu_id).synchronize()
+        return
+    try:
+        import torch
+    except ImportError as exc:
+        raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"') from exc
+    if not torch.cuda.is_available():
+        raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"')
+    torch.cuda.synchronize(gpu_id)
