@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from collective.groups import progress
 from collective.groups.base import BaseGroup
 from collective.groups.cpu_connect import Member, Transports, connect
-from collective.groups.gloo_work import c10d
+from collective.groups.gloo import GlooGroup
 from collective.groups.lanes import Lane, Task
 from collective.groups.plans import Flat, Hierarchy
 from collective.groups.shm.algorithms import Collectives, SizeMismatchError, Solo
@@ -151,12 +151,8 @@ class CpuGroupBase(BaseGroup):
 
     @classmethod
     def check_backend_availability(cls) -> bool:
-        """Return whether torch with gloo support is importable."""
-        try:
-            c10d()
-        except CollectiveError:
-            return False
-        return True
+        """Return whether torch with gloo support is importable, as ``GlooGroup`` needs."""
+        return GlooGroup.check_backend_availability()
 
     @property
     def error(self) -> CollectiveError | None:

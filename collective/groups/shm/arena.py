@@ -98,7 +98,7 @@ class Layout:
         Args:
             local_size: the ranks that share the arena.
             slot_bytes: the slot size; None reads ``COLLECTIVE_SHM_SLOT_BYTES``, then
-                divides the budget (between 64 KiB and 1 MiB per slot).
+                divides the budget (between 64 KiB and ``SLOT_MAX`` per slot).
 
         Raises:
             ValueError: ``slot_bytes`` (or the variable) is no multiple of 64, or
