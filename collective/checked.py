@@ -125,7 +125,7 @@ class CheckedGroup(BaseGroup):
         gathered = [int64_array([0] * len(slots)) for _ in range(self.world_size)]
         self._inner.allgather([gathered], [mine], AllGatherOptions(timeout)).wait()
         signatures = [g.tolist() for g in gathered]
-        if any(signature.error_length(s) for s in signatures):
+        if any(signature.failed(s) for s in signatures):
             width = max(1, *(signature.error_length(s) for s in signatures))
             texts = [byte_array(b"", width) for _ in range(self.world_size)]
             options = AllGatherOptions(timeout)
@@ -236,7 +236,7 @@ class CheckedGroup(BaseGroup):
         slots = signature.of_call(op, self.world_size, x, root=peer)
         message = signature.mark_error(slots, error)
         other = self._exchange(int64_array(slots), peer, sends_first, timeout).tolist()
-        if signature.error_length(slots) or signature.error_length(other):
+        if signature.failed(slots) or signature.failed(other):
             width = max(1, signature.error_length(slots), signature.error_length(other))
             theirs = self._exchange(byte_array(message, width), peer, sends_first, timeout)
             signatures = [signature.blank(op, self.world_size) for _ in range(self.world_size)]

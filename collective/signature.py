@@ -86,9 +86,14 @@ def of_alltoall(world_size: int, outputs: Sequence[Any], inputs: Sequence[Any]) 
     return slots
 
 
+def failed(slots: Sequence[int]) -> bool:
+    """Return whether the rank of ``slots`` failed its own argument checks."""
+    return bool(slots[_ERROR])
+
+
 def error_length(slots: Sequence[int]) -> int:
-    """Return the length of the error message that ``slots``' rank sends; 0 with no error."""
-    return slots[_LENGTH] if slots[_ERROR] else 0
+    """Return the length of the error message that ``slots``' rank sends (0 without one)."""
+    return slots[_LENGTH]
 
 
 def _encode_tensor(slots: list[int], x: Any) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup
 from collective.groups.cpu import CpuGroup
 from collective.groups.gloo import GlooGroup
@@ -737,3 +738,26 @@ def test_create_and_destroy_leaks_no_threads_or_sockets() -> None:
     now = _settled(baseline)
     assert now[0] <= baseline[0], f"threads: {baseline[0]} before, {now[0]} after 10 groups"
     assert now[1] <= baseline[1], f"listening sockets: {baseline[1]} before, {now[1]} after"
+
+
+def test_checked_group_spreads_an_argument_error_with_an_empty_message() -> None:
+    """A rank whose own check failed with an empty message still makes every rank raise."""
+
+    def fn(group: Any, rank: int) -> list[str]:
+        checked = CheckedGroup(group)
+        x = np.ones(4, np.float32)
+        raised = []
+        with pytest.raises(ArgumentValueError) as caught:
+            if rank == 0:
+                checked.refuse("allreduce", ArgumentValueError(""))
+            checked.allreduce([x], AllReduceOptions(ReduceOp.SUM))
+        raised.append(str(caught.value))
+        checked.allreduce([x], AllReduceOptions(ReduceOp.SUM)).wait()
+        raised.append(f"{x[0]:g}")
+        return raised
+
+    results = run_ranks(2, fn)
+    for message, _ in results:
+        assert message.startswith("allreduce on group 'test-")
+        assert message.endswith(": rank 0 passed an invalid argument: ")
+    assert [r[1] for r in results] == ["2", "2"]
