@@ -11,6 +11,7 @@ import sys
 
 CHECK = (
     "import sys, collective, collective.rendezvous, collective.store_actor; "
+    "import collective.store_client; "
     "print(sorted(m for m in ('torch', 'ray', 'cupy') if m in sys.modules))"
 )
 
@@ -50,6 +51,7 @@ def test_public_names_are_all_exported() -> None:
             "signature",
             "store",
             "store_actor",
+            "store_client",
             "store_state",
             "subgroups",
             "tensor",

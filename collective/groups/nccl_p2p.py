@@ -6,17 +6,17 @@ send/recv on the group's collective communicator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from collective import tensor
+from collective.groups.nccl_base import NCCLGroupBase
 from collective.groups.nccl_comm import buffers_on, per_device
 from collective.tensor import CudaBuffer
 from collective.types import (
     AllToAllOptions,
     ArgumentValueError,
-    CollectiveError,
     GatherOptions,
     RecvOptions,
     ScatterOptions,
@@ -28,22 +28,8 @@ _DEVICE_TO_DEVICE = 3
 """``cudaMemcpyDeviceToDevice``."""
 
 
-class NcclPointToPoint:
-    """The send/recv-based ops of ``NCCLGroup``, which mixes this class in.
-
-    They use the group's communicator cache and launcher; see ``NCCLGroup``.
-    """
-
-    rank: int
-    world_size: int
-    timeout: timedelta
-    _cupy: Any
-    _check_usable: Callable[[bool], None]
-    _destroyed: bool
-    _communicators: Callable[..., list[Any]]
-    _fail: Callable[[str, timedelta, BaseException], CollectiveError]
-    _launch: Callable[..., Work]
-    _collective: Callable[..., Work]
+class NcclPointToPoint(NCCLGroupBase):
+    """The send/recv-based ops of ``NCCLGroup``, on the communicators and launcher of its base."""
 
     def _pair_comm(
         self, device: int, peer: int, peer_gpu: int, timeout: timedelta
