@@ -86,6 +86,8 @@ def reduce(
     ``tensor`` is left exactly as it was.
     """
     group = get_group_handle(group_name)
+    if timeout is None and async_op is False and group.reduce_now(tensor, op, dst_rank):
+        return None
     with checking(group, "reduce"):
         spec = checks.check_tensor(group, tensor, "tensor")
         dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
@@ -108,6 +110,8 @@ def broadcast(
     The tensors must agree in shape and dtype across ranks; ``src_rank``'s is only read.
     """
     group = get_group_handle(group_name)
+    if timeout is None and async_op is False and group.broadcast_now(tensor, src_rank):
+        return None
     with checking(group, "broadcast"):
         checks.check_tensor(group, tensor, "tensor")
         src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")

@@ -1,6 +1,7 @@
-"""The short-message allreduce path of shared memory: same bits, what it declines, failures.
+"""The short-message path of shared memory: same bits, what it declines, failures.
 
-``CpuGroup.allreduce_now`` is what ``collective.allreduce`` tries first. Ranks are
+``CpuGroup.allreduce_now``, ``reduce_now`` and ``broadcast_now`` are what
+``collective.allreduce``, ``reduce`` and ``broadcast`` try first. Ranks are
 threads meeting on a TCPStore (see ``test_shm.run_cpu``); every test asserts every
 rank's result.
 """
@@ -20,11 +21,13 @@ from collective.groups.shm.short import MAX_PLANS, SHORT_BYTES
 from collective.types import (
     AllReduceOptions,
     BarrierOptions,
+    BroadcastOptions,
     CollectiveError,
     CollectiveTimeoutError,
     CpuTransport,
     GroupOptions,
     ReduceOp,
+    ReduceOptions,
 )
 from tests.test_shm import _reference, run_cpu
 
@@ -239,3 +242,107 @@ def test_a_queued_async_op_sends_the_next_call_down_the_general_path_in_order() 
     for firsts, second in run_cpu(2, fn):
         assert firsts == [3.0, 3.0]
         assert second == 30.0
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_reduce_and_broadcast_give_the_general_paths_bits_on_every_rank(world_size: int) -> None:
+    cases = _cases()
+
+    def fn(group: CpuGroup, rank: int) -> list[tuple[bool, bytes, bytes, bool, bytes, bytes]]:
+        results = []
+        for seed, (dtype, op) in enumerate(cases):
+            root = seed % world_size
+            reduced = _input(rank, seed, dtype)
+            general = reduced.copy()
+            took_reduce = group.reduce_now(reduced, op, root)
+            group.reduce([general], ReduceOptions(op, root_rank=root))
+            cast = _input(rank, seed + 1000, dtype)
+            cast_general = cast.copy()
+            took_cast = group.broadcast_now(cast, root)
+            group.broadcast([cast_general], BroadcastOptions(root_rank=root))
+            results.append(
+                (
+                    took_reduce,
+                    reduced.tobytes(),
+                    general.tobytes(),
+                    took_cast,
+                    cast.tobytes(),
+                    cast_general.tobytes(),
+                )
+            )
+        return results
+
+    per_rank = run_cpu(world_size, fn)
+    for seed, (dtype, op) in enumerate(cases):
+        root = seed % world_size
+        inputs = [_input(r, seed, dtype) for r in range(world_size)]
+        expected = _reference(inputs, op, dtype)
+        sent = _input(root, seed + 1000, dtype).tobytes()
+        for rank, results in enumerate(per_rank):
+            took_reduce, reduced, general, took_cast, cast, cast_general = results[seed]
+            assert took_reduce and took_cast, (rank, dtype, op)
+            assert reduced == general, (rank, dtype, op)
+            assert cast == cast_general == sent, (rank, dtype)
+            if rank != root:
+                assert reduced == inputs[rank].tobytes(), (rank, dtype, op)
+                continue
+            got = np.frombuffer(reduced, dtype=dtype).astype(expected.dtype)
+            np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3, err_msg=f"{dtype} {op}")
+
+
+def test_short_and_general_reduce_and_broadcast_meet_in_one_op() -> None:
+    shapes: list[tuple[int, ...]] = [(), (0,), (3, 4), (SHORT_BYTES // 8,)]
+
+    def fn(group: CpuGroup, rank: int) -> list[tuple[bool, np.ndarray, bool, np.ndarray]]:
+        out = []
+        for i, shape in enumerate(shapes):
+            root = i % 3
+            reduced = np.full(shape, rank + 1.0)
+            cast = np.full(shape, 10.0 * (rank + 1))
+            if rank == 1:
+                group.reduce([reduced], ReduceOptions(root_rank=root))
+                group.broadcast([cast], BroadcastOptions(root_rank=root))
+                out.append((False, reduced, False, cast))
+            else:
+                took_reduce = group.reduce_now(reduced, ReduceOp.SUM, root)
+                took_cast = group.broadcast_now(cast, root)
+                out.append((took_reduce, reduced, took_cast, cast))
+        return out
+
+    results = run_cpu(3, fn)
+    for rank, per_shape in enumerate(results):
+        for i, (shape, (took_reduce, reduced, took_cast, cast)) in enumerate(
+            zip(shapes, per_shape, strict=True)
+        ):
+            root = i % 3
+            assert took_reduce == took_cast == (rank != 1), (rank, shape)
+            assert reduced.shape == cast.shape == shape
+            np.testing.assert_array_equal(
+                reduced, np.full(shape, 6.0 if rank == root else rank + 1.0)
+            )
+            np.testing.assert_array_equal(cast, np.full(shape, 10.0 * (root + 1)))
+
+
+_NO_OP_DECLINES = {"an op by name", "AVG on integers", "BXOR on floats"}
+"""Calls of ``_declined`` that only the reductions decline: broadcast takes any op."""
+
+
+def test_reduce_and_broadcast_decline_what_needs_checking_untouched() -> None:
+    def fn(group: CpuGroup, rank: int) -> list[tuple[str, bool, bool]]:
+        out = []
+        for what, x, op in _declined(rank):
+            before = _snapshot(x)
+            took = group.reduce_now(x, op, 0)
+            out.append((f"reduce {what}", took, _snapshot(x) == before))
+            if what not in _NO_OP_DECLINES:
+                took = group.broadcast_now(x, 1)
+                out.append((f"broadcast {what}", took, _snapshot(x) == before))
+        for root in (-1, 2, True, np.int64(0), "0", None):
+            x = np.ones(3)
+            took = group.reduce_now(x, ReduceOp.SUM, root) or group.broadcast_now(x, root)
+            out.append((f"root {root!r}", took, _snapshot(x) == np.ones(3).tobytes()))
+        group.barrier(BarrierOptions())
+        return out
+
+    for per_rank in run_cpu(2, fn):
+        assert all(not took and same for _, took, same in per_rank), per_rank

@@ -201,6 +201,20 @@ class BaseGroup(ABC):
         """
         return False
 
+    def reduce_now(self, tensor: Any, op: Any, root: Any) -> bool:
+        """Run a blocking reduce of ``tensor`` onto ``root`` at once, if this group can cheaply.
+
+        As ``allreduce_now``: True once done, False having done and checked nothing.
+        """
+        return False
+
+    def broadcast_now(self, tensor: Any, root: Any) -> bool:
+        """Run a blocking broadcast of ``root``'s ``tensor`` at once, if this group can cheaply.
+
+        As ``allreduce_now``: True once done, False having done and checked nothing.
+        """
+        return False
+
     @abstractmethod
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce ``tensors`` across ranks; every rank's buffers receive the result."""

@@ -10,14 +10,17 @@ the group's full Gloo group.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from collective.groups.cpu_base import CpuGroupBase
 from collective.groups.gloo import GlooGroup
 from collective.groups.gloo_work import buffer_list, commit_all, one_buffer
 from collective.groups.plans import Flat, Hierarchy
 from collective.groups.shm.mail import Mail
+from collective.groups.shm.short import ShortOps
 from collective.groups.shm.steps import dtype_code
 from collective.tensor import plain_flat
 from collective.types import (
@@ -47,15 +50,38 @@ class CpuGroup(CpuGroupBase):
         return self._plan
 
     def allreduce_now(self, tensor: Any, op: Any) -> bool:
-        """Run a blocking allreduce of a short plain buffer at once; see ``ShortAllreduce``.
+        """Run a blocking allreduce of a short plain buffer at once; see ``ShortOps``.
 
         Returns False, having done nothing, when the group has no short path (it
         spans nodes, or this rank is alone), when the group cannot run ops (the
         general path raises why), when an op is queued or running on this rank,
         and for any call the short path does not take.
         """
+        if type(op) is not ReduceOp:
+            return False
+        return self._now("allreduce", tensor, lambda s, x, d: s.allreduce(x, op, d))
+
+    def reduce_now(self, tensor: Any, op: Any, root: Any) -> bool:
+        """Run a blocking reduce of a short plain buffer at once; False as ``allreduce_now``."""
+        if type(op) is not ReduceOp or not self._is_rank(root):
+            return False
+        return self._now("reduce", tensor, lambda s, x, d: s.reduce(x, op, root, d))
+
+    def broadcast_now(self, tensor: Any, root: Any) -> bool:
+        """Run a blocking broadcast of a short plain buffer at once; False as ``allreduce_now``."""
+        if not self._is_rank(root):
+            return False
+        return self._now("broadcast", tensor, lambda s, x, d: s.broadcast(x, root, d))
+
+    def _is_rank(self, root: Any) -> bool:
+        return type(root) is int and 0 <= root < self.world_size
+
+    def _now(
+        self, op: str, tensor: Any, run: Callable[[ShortOps, np.ndarray, float], bool]
+    ) -> bool:
+        """Run ``op`` on the short path as ``run(short, flat, deadline)``; see ``allreduce_now``."""
         short = self._short
-        if short is None or type(op) is not ReduceOp or self._error is not None:
+        if short is None or self._error is not None:
             return False
         flat = plain_flat(tensor)
         watch = self._watch
@@ -67,9 +93,9 @@ class CpuGroup(CpuGroupBase):
         if not lane.enter():
             return False
         try:
-            return short(flat, op, time.monotonic() + self._timeout_s)
+            return run(short, flat, time.monotonic() + self._timeout_s)
         except BaseException as exc:
-            self._raise_failure("allreduce", self.timeout, exc)
+            self._raise_failure(op, self.timeout, exc)
         finally:
             lane.leave()
 

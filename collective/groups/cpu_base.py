@@ -23,7 +23,7 @@ from collective.groups.plans import Flat, Hierarchy
 from collective.groups.shm.algorithms import Collectives, SizeMismatchError, Solo
 from collective.groups.shm.arena import OP_SEQ
 from collective.groups.shm.mail import Mail, MessageMismatchError
-from collective.groups.shm.short import ShortAllreduce
+from collective.groups.shm.short import ShortOps
 from collective.groups.shm.steps import MismatchError, Steps
 from collective.groups.shm.sync import AbortedError, PeerDiedError, Waiter
 from collective.groups.watch import FailureWatch
@@ -88,7 +88,7 @@ class CpuGroupBase(BaseGroup):
         self._found = Transports()
         self._waiter: Waiter | None = None
         self._steps: Steps | None = None
-        self._short: ShortAllreduce | None = None
+        self._short: ShortOps | None = None
         self._timeout_s = timeout.total_seconds()
         self._mail: Mail | None = None
         self._plan: Flat | Hierarchy | None = None
@@ -130,16 +130,17 @@ class CpuGroupBase(BaseGroup):
         if found.mode == "shm":
             self._plan = Flat(local, self.world_size)
             if self._steps is not None:
-                self._short = ShortAllreduce(self._steps, self.world_size, self._accepts)
+                self._short = ShortOps(self._steps, self.world_size, self._accepts)
         else:
             self._plan = Hierarchy(topo, local, self._mail, found.leaders, self.world_size)
 
-    def _accepts(self, op: ReduceOp, dtype: str) -> bool:
-        """Return whether the checks of ``allreduce`` pass ``op`` on ``dtype`` buffers."""
-        try:
-            self.check_reduce_op(op, dtype)
-        except ArgumentError:
-            return False
+    def _accepts(self, op: ReduceOp | None, dtype: str) -> bool:
+        """Return whether the checks of an op pass ``op`` (None: no reduction) on ``dtype``."""
+        if op is not None:
+            try:
+                self.check_reduce_op(op, dtype)
+            except ArgumentError:
+                return False
         return dtype in self.dtypes
 
     # --- identity ----------------------------------------------------------------------------

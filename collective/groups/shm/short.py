@@ -1,11 +1,14 @@
-"""Allreduce of short messages among the ranks of one node: one step, its views made once.
+"""Allreduce, reduce and broadcast of short messages among the ranks of one node.
 
-An allreduce of at most ``SHORT_BYTES`` is a single step of the step protocol
-(see ``steps``), and its cost is the Python around the step, not the bytes. This
-path runs that step with what the general path makes on every call made once per
-(dtype, element count, reduction): the typed views of every rank's slots, cut to
-the message, the signature word and the ufunc. It reduces the slots in rank order
-with the ufuncs of ``Reducer.fold``, so every rank gets the general path's bits.
+An op of at most ``SHORT_BYTES`` is a single step of the step protocol (see
+``steps``), and its cost is the Python around the step, not the bytes. This path
+runs that step with what the general path makes on every call made once per (op,
+dtype, element count, reduction, root): the typed views of every rank's slots, cut
+to the message, the signature word and the ufunc. Each op is the general path's
+step (``algorithms.Collectives``) for a one-step message, with the same signature,
+so a rank on this path and a rank on the general one meet in the same op. It
+reduces with the ufuncs of ``Reducer`` in the general path's order, so every rank
+gets the general path's bits.
 
 It only takes what needs no checking: a flat view of a plain buffer (see
 ``tensor.plain_flat``) of a dtype and a reduction the group accepts. For anything
@@ -33,9 +36,13 @@ MAX_PLANS = 64
 """Plans kept at most; the cache starts afresh when a new one would exceed this."""
 
 
+PlanKey = tuple[str, np.dtype, int, "ReduceOp | None", int]
+"""(op, dtype, element count, reduction or None, root or -1): what one plan serves."""
+
+
 @dataclass(frozen=True)
 class _Plan:
-    """What one (dtype, element count, reduction) needs, made on its first op."""
+    """What one op on one dtype, element count, reduction and root needs, made once."""
 
     key: tuple[str, str, int, int]
     word: int
@@ -47,20 +54,30 @@ class _Plan:
     """Per slot buffer, every local rank's slot as a typed array of the message's length."""
 
 
-class ShortAllreduce:
-    """Allreduce of short plain buffers for one local rank, when every rank is local."""
+class ShortOps:
+    """Allreduce, reduce and broadcast of short plain buffers, when every rank is local."""
 
     def __init__(
-        self, steps: Steps, world_size: int, accepts: Callable[[ReduceOp, str], bool]
+        self, steps: Steps, world_size: int, accepts: Callable[[ReduceOp | None, str], bool]
     ) -> None:
-        """Run through ``steps``; ``accepts(op, dtype)`` says what the group takes."""
+        """Run through ``steps``; ``accepts(op, dtype)`` says what the group takes.
+
+        ``op`` None asks about a dtype alone, for an op that reduces nothing.
+        """
         self._steps = steps
         self._world_size = world_size
         self._accepts = accepts
         self._limit = min(SHORT_BYTES, steps.slot_bytes)
-        self._plans: dict[tuple[np.dtype, int, ReduceOp], _Plan | None] = {}
+        self._plans: dict[PlanKey, _Plan | None] = {}
 
-    def __call__(self, flat: np.ndarray, op: ReduceOp, deadline: float) -> bool:
+    def _plan(self, kind: str, flat: np.ndarray, op: ReduceOp | None, root: int) -> _Plan | None:
+        key = (kind, flat.dtype, flat.size, op, root)
+        plan = self._plans.get(key)
+        if plan is None and key not in self._plans:
+            plan = self._prepare(key)
+        return plan
+
+    def allreduce(self, flat: np.ndarray, op: ReduceOp, deadline: float) -> bool:
         """Reduce every rank's ``flat`` into every rank's ``flat`` in place; False if not taken.
 
         Returns False, having done nothing, when the message is longer than
@@ -70,19 +87,12 @@ class ShortAllreduce:
             TimeoutError, PeerDiedError, AbortedError, MismatchError: as ``Steps``.
 
         """
-        key = (flat.dtype, flat.size, op)
-        plan = self._plans.get(key)
+        plan = self._plan("allreduce", flat, op, -1)
         if plan is None:
-            plan = None if key in self._plans else self._prepare(key)
-            if plan is None:
-                return False
+            return False
         steps = self._steps
-        steps.begin_signed(plan.key, plan.word, plan.nbytes)
-        step = steps.next()
-        parts = plan.parts[step % steps.nbuf]
-        steps.free(step, deadline)
-        parts[steps.rank][...] = flat
-        steps.post(step)
+        step, parts = self._start(plan)
+        self._give(step, parts, flat, deadline)
         steps.collect_all(step, deadline)
         ufunc = plan.ufunc
         ufunc(parts[0], parts[1], out=flat)
@@ -93,15 +103,71 @@ class ShortAllreduce:
         steps.done(step)
         return True
 
-    def _prepare(self, key: tuple[np.dtype, int, ReduceOp]) -> _Plan | None:
+    def reduce(self, flat: np.ndarray, op: ReduceOp, root: int, deadline: float) -> bool:
+        """Reduce every rank's ``flat`` into ``root``'s, in place; False if not taken.
+
+        The other ranks' ``flat`` is only read. ``root`` is a local rank the caller checked.
+        Declines and raises as ``allreduce``.
+        """
+        plan = self._plan("reduce", flat, op, root)
+        if plan is None:
+            return False
+        steps = self._steps
+        step, parts = self._start(plan)
+        if steps.rank != root:
+            self._give(step, parts, flat, deadline)
+        else:
+            ufunc = plan.ufunc
+            for rank in steps.others:
+                steps.collect(rank, step, deadline)
+                ufunc(flat, parts[rank], out=flat)
+            if plan.divisor:
+                np.divide(flat, plan.divisor, out=flat)
+        steps.done(step)
+        return True
+
+    def broadcast(self, flat: np.ndarray, root: int, deadline: float) -> bool:
+        """Copy ``root``'s ``flat`` into every other rank's, in place; False if not taken.
+
+        ``root``'s ``flat`` is only read. ``root`` is a local rank the caller checked.
+        Declines and raises as ``allreduce``.
+        """
+        plan = self._plan("broadcast", flat, None, root)
+        if plan is None:
+            return False
+        steps = self._steps
+        step, parts = self._start(plan)
+        if steps.rank == root:
+            self._give(step, parts, flat, deadline)
+        else:
+            steps.collect(root, step, deadline)
+            flat[...] = parts[root]
+        steps.done(step)
+        return True
+
+    def _start(self, plan: _Plan) -> tuple[int, list[np.ndarray]]:
+        """Begin ``plan``'s op; return its step and every rank's slot for that step."""
+        steps = self._steps
+        steps.begin_signed(plan.key, plan.word, plan.nbytes)
+        step = steps.next()
+        return step, plan.parts[step % steps.nbuf]
+
+    def _give(self, step: int, parts: list[np.ndarray], flat: np.ndarray, deadline: float) -> None:
+        """Copy ``flat`` into this rank's slot of ``step`` once it is free, and post it."""
+        steps = self._steps
+        steps.free(step, deadline)
+        parts[steps.rank][...] = flat
+        steps.post(step)
+
+    def _prepare(self, key: PlanKey) -> _Plan | None:
         """Make and keep the plan of ``key``; None (kept too) if this path does not take it."""
-        dtype, count, op = key
+        kind, dtype, count, op, root = key
         name = plain_dtype(dtype)
         plan = None
         nbytes = count * dtype.itemsize
         if name is not None and nbytes <= self._limit and self._accepts(op, name):
             steps = self._steps
-            signed = ("allreduce", name, op.value, -1)
+            signed = (kind, name, -1 if op is None else op.value, root)
             parts = [
                 [steps.slots[r][b][:nbytes].view(dtype) for r in range(steps.size)]
                 for b in range(steps.nbuf)
@@ -111,7 +177,7 @@ class ShortAllreduce:
                 signed,
                 steps.signature_word(signed),
                 nbytes,
-                UFUNCS[op],
+                None if op is None else UFUNCS[op],
                 divisor,
                 parts,
             )
