@@ -12,7 +12,7 @@ import gc
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -65,10 +65,15 @@ _current = {"transport": "tcp"}
 
 
 @pytest.fixture(params=list(TRANSPORTS), autouse=True)
-def transport(request: pytest.FixtureRequest) -> str:
-    """Run the test on each CPU transport; ``build_group`` builds groups of it."""
+def transport(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on each CPU transport; ``build_group`` builds groups of it.
+
+    The transport goes back to tcp after the test, so that a module which imports
+    ``run_ranks`` without this fixture gets tcp, whatever ran before it.
+    """
     _current["transport"] = request.param
-    return request.param
+    yield request.param
+    _current["transport"] = "tcp"
 
 
 def build_group(*args: Any, **kwargs: Any) -> Any:
