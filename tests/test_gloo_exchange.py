@@ -213,6 +213,42 @@ def test_alltoall_uneven_sizes(world_size: int) -> None:
             assert got == [float(10 * source + rank)] * (source + rank + 1), (rank, source)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_alltoall_of_views_of_flat_buffers_and_of_separate_ones(world_size: int) -> None:
+    n = world_size
+
+    def fn(group: GlooGroup, rank: int) -> dict[str, Any]:
+        sizes_in = [rank + j + 1 for j in range(n)]
+        sizes_out = [j + rank + 1 for j in range(n)]
+        flat_in = torch.cat(
+            [torch.full((k,), float(10 * rank + j)) for j, k in enumerate(sizes_in)]
+        )
+        kept = flat_in.clone()
+        flat_out = torch.zeros(sum(sizes_out))
+        group.alltoall(
+            list(flat_out.split(sizes_out)), list(flat_in.split(sizes_in)), AllToAllOptions()
+        )
+        separate_out = [torch.zeros(k) for k in sizes_out]
+        group.alltoall(separate_out, list(flat_in.split(sizes_in)), AllToAllOptions())
+        even = torch.arange(4 * n, dtype=torch.float64) + 100 * rank
+        group.alltoall(list(even.split(4)), list(even.split(4)), AllToAllOptions())
+        return {
+            "flat": list(flat_out.split(sizes_out)),
+            "separate": separate_out,
+            "in place": list(even.split(4)),
+            "input kept": torch.equal(flat_in, kept),
+        }
+
+    for rank, result in enumerate(run_ranks(n, fn)):
+        assert result["input kept"], rank
+        for source in range(n):
+            want = [float(10 * source + rank)] * (source + rank + 1)
+            assert result["flat"][source].tolist() == want, (rank, source)
+            assert result["separate"][source].tolist() == want, (rank, source)
+            start = 100 * source + 4 * rank
+            assert result["in place"][source].tolist() == list(map(float, range(start, start + 4)))
+
+
 # --- async handles ------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from collective.groups.gloo import GlooGroup
-from collective.groups.gloo_reducescatter import HUGE_PAGE_BYTES, Scratch
+from collective.groups.gloo_reducescatter import HUGE_PAGE_BYTES, Scratch, flat_bytes
 from collective.types import ReduceOp, ReduceScatterOptions
 from tests.test_gloo_group import run_ranks
 
@@ -95,3 +95,20 @@ def test_scratch_is_lent_to_one_op_at_a_time_and_kept_up_to_its_limit() -> None:
     assert scratch.take(HUGE_PAGE_BYTES).tensor.data_ptr() != big.tensor.data_ptr(), (
         "a buffer above keep_bytes was kept"
     )
+
+
+def test_flat_bytes_spans_adjacent_chunks_of_any_sizes_and_refuses_the_rest() -> None:
+    base = torch.arange(16, dtype=torch.int32)
+    uneven = [base[:1], base[1:1], base[1:3], base[3:16]]
+    flat = flat_bytes(uneven)
+    assert flat is not None and flat.data_ptr() == base.data_ptr()
+    assert torch.equal(flat, base.view(torch.uint8)), "uneven adjacent chunks"
+    same_stride = [base[:4], base[4:8], base[8:16]]
+    spanned = flat_bytes(same_stride)
+    assert spanned is not None and spanned.numel() == 64, "a longer last chunk was cut short"
+    assert flat_bytes([base[:4], base[8:12]]) is None, "a gap was bridged"
+    assert flat_bytes([base[4:8], base[:4]]) is None, "chunks out of order were joined"
+    assert flat_bytes([base[:4], base[4:8].clone()]) is None, "separate buffers were joined"
+    assert flat_bytes([base.view(4, 4).t()[0]]) is None, "a strided chunk was taken"
+    empty = flat_bytes([base[:0], base[:0]])
+    assert empty is not None and empty.numel() == 0

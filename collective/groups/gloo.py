@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from collective.groups.gloo_base import GlooGroupBase
-from collective.groups.gloo_reducescatter import ChunkExchange, Scratch
+from collective.groups.gloo_reducescatter import ChunkExchange, Scratch, flat_bytes
 from collective.groups.gloo_work import (
     Completion,
     c10d_reduce_op,
@@ -196,30 +196,31 @@ class GlooGroup(GlooGroupBase):
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
     ) -> Work:
-        """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j.
+        """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j, in one gloo alltoallv.
 
-        Equal sizes use gloo's native alltoall on the buffers themselves; uneven
-        sizes go through one flat buffer each way and gloo's native alltoallv.
+        The buffers go to gloo's ``alltoall_base`` as bytes: views of one flat buffer
+        as they are, others through one flat copy each way. Torch's list alltoall
+        on gloo took 4-5 times as long from 1 MiB on.
         """
+        import torch
+
         outs = [CpuBuffer(t, f"output[{i}]", True) for i, t in enumerate(outputs)]
         ins = [CpuBuffer(t, f"input[{i}]", False) for i, t in enumerate(inputs)]
         out, sent = [o.tensor for o in outs], [i.tensor for i in ins]
-        if len({t.numel() for t in out + sent}) == 1:
-            return self._run(
-                "alltoall",
-                options,
-                lambda t: self._pg.alltoall(out, sent, call_options("AllToAll", t)),
-                lambda: commit_all(outs),
-            )
-        import torch
-
-        flat_in = torch.cat([t.reshape(-1) for t in sent])
-        flat_out = torch.empty(sum(t.numel() for t in out), dtype=flat_in.dtype)
-        out_splits, in_splits = [t.numel() for t in out], [t.numel() for t in sent]
+        flat_in = flat_bytes(sent)
+        if flat_in is None:
+            flat_in = torch.cat([t.reshape(-1).view(torch.uint8) for t in sent])
+        direct = flat_bytes(out)
+        if direct is not None and _overlap(direct, flat_in):
+            direct = None
+        out_splits = [t.numel() * t.element_size() for t in out]
+        in_splits = [t.numel() * t.element_size() for t in sent]
+        flat_out = direct if direct is not None else torch.empty(sum(out_splits), dtype=torch.uint8)
 
         def finish() -> None:
-            for target, chunk in zip(out, flat_out.split(out_splits), strict=True):
-                target.copy_(chunk.view(target.shape))
+            if direct is None:
+                for target, chunk in zip(out, flat_out.split(out_splits), strict=True):
+                    target.reshape(-1).view(torch.uint8).copy_(chunk)
             commit_all(outs)
 
         return self._run(
@@ -230,3 +231,9 @@ class GlooGroup(GlooGroupBase):
             ),
             finish,
         )
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Return whether the byte tensors ``a`` and ``b`` share any memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() and b0 < a0 + a.numel()

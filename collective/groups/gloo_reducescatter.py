@@ -94,26 +94,28 @@ def _fresh(nbytes: int) -> Any:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def _flat_bytes(chunks: Sequence[Any]) -> Any | None:
+def flat_bytes(chunks: Sequence[Any]) -> Any | None:
     """Return the chunks as one uint8 tensor without copying, or None if they are not adjacent.
 
     Chunks are adjacent when each is contiguous and starts where the one before ends,
-    as the views of one flat buffer do. Every byte of the result then belongs to one
-    of the chunks, so it stays valid while they live.
+    as the views of one flat buffer do; their sizes may differ. Every byte of the
+    result then belongs to one of the chunks, so it stays valid while they live.
     """
     import torch
 
+    if not chunks or not all(c.is_contiguous() for c in chunks):
+        return None
     first = chunks[0]
-    if not all(c.is_contiguous() for c in chunks):
-        return None
-    step = first.numel() * first.element_size()
-    if step == 0:
+    start = end = first.data_ptr()
+    for c in chunks:
+        if c.numel() and c.data_ptr() != end:
+            return None
+        end += c.numel() * c.element_size()
+    if end == start:
         return torch.empty(0, dtype=torch.uint8)
-    if any(c.data_ptr() != first.data_ptr() + i * step for i, c in enumerate(chunks)):
-        return None
     if len(chunks) == 1:
         return first.reshape(-1).view(torch.uint8)
-    memory = (ctypes.c_uint8 * (step * len(chunks))).from_address(first.data_ptr())
+    memory = (ctypes.c_uint8 * (end - start)).from_address(start)
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
@@ -152,7 +154,7 @@ class ChunkExchange:
             self.sent = torch.cat([c.reshape(-1) for c in self._inputs]).view(torch.uint8)
             self.received = torch.empty_like(self.sent)
             return
-        flat = _flat_bytes(self._inputs)
+        flat = flat_bytes(self._inputs)
         self._lease = scratch.take(nbytes if flat is not None else 2 * nbytes)
         self.received = self._lease.tensor[:nbytes]
         if flat is None:
