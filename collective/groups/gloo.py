@@ -6,14 +6,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from collective.groups.gloo_base import GlooGroupBase
-from collective.groups.gloo_reducescatter import ChunkExchange, Scratch, flat_bytes
+from collective.groups.gloo_reducescatter import (
+    ChunkExchange,
+    Scratch,
+    flat_bytes,
+    joined_bytes,
+)
 from collective.groups.gloo_work import (
     Completion,
     c10d_reduce_op,
     call_options,
     commit_all,
 )
-from collective.tensor import CpuBuffer
+from collective.tensor import CpuBuffer, overlaps
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -209,9 +214,9 @@ class GlooGroup(GlooGroupBase):
         out, sent = [o.tensor for o in outs], [i.tensor for i in ins]
         flat_in = flat_bytes(sent)
         if flat_in is None:
-            flat_in = torch.cat([t.reshape(-1).view(torch.uint8) for t in sent])
+            flat_in = joined_bytes(sent)
         direct = flat_bytes(out)
-        if direct is not None and _overlap(direct, flat_in):
+        if direct is not None and overlaps(direct, flat_in):
             direct = None
         out_splits = [t.numel() * t.element_size() for t in out]
         in_splits = [t.numel() * t.element_size() for t in sent]
@@ -231,9 +236,3 @@ class GlooGroup(GlooGroupBase):
             ),
             finish,
         )
-
-
-def _overlap(a: Any, b: Any) -> bool:
-    """Return whether the byte tensors ``a`` and ``b`` share any memory."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() and b0 < a0 + a.numel()

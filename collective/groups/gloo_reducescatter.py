@@ -119,6 +119,13 @@ def flat_bytes(chunks: Sequence[Any]) -> Any | None:
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
+def joined_bytes(chunks: Sequence[Any], out: Any = None) -> Any:
+    """Return the chunks' bytes copied one after another into ``out`` (uint8), or a new tensor."""
+    import torch
+
+    return torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks], out=out)
+
+
 _COMBINE: dict[ReduceOp, str] = {
     ReduceOp.SUM: "add",
     ReduceOp.AVG: "add",
@@ -151,7 +158,7 @@ class ChunkExchange:
         nbytes = output.numel() * output.element_size() * self._n
         self._lease: Lease | None = None
         if nbytes < SCRATCH_BYTES:
-            self.sent = torch.cat([c.reshape(-1) for c in self._inputs]).view(torch.uint8)
+            self.sent = joined_bytes(self._inputs)
             self.received = torch.empty_like(self.sent)
             return
         flat = flat_bytes(self._inputs)
@@ -159,7 +166,7 @@ class ChunkExchange:
         self.received = self._lease.tensor[:nbytes]
         if flat is None:
             flat = self._lease.tensor[nbytes : 2 * nbytes]
-            torch.cat([c.reshape(-1).view(torch.uint8) for c in self._inputs], out=flat)
+            joined_bytes(self._inputs, out=flat)
         self.sent = flat
 
     def reduce(self, op: ReduceOp) -> None:
