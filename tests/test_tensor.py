@@ -419,3 +419,26 @@ def test_a_torch_storage_keeps_its_object_store_verdict(plasma: mmap.mmap) -> No
     assert tensor_memory._verdicts.get(outside.untyped_storage()) is False
     assert plain_flat(inside) is None
     del inside
+
+
+TINY_STRIDED = {
+    "empty slice past the end": lambda: torch.zeros(4)[4::2],
+    "one column of one row": lambda: torch.ones(1, 4)[:, 0],
+    "empty torch from numpy": lambda: torch.from_numpy(np.zeros(0)),
+    "one element of a 2-d block": lambda: torch.arange(12.0).reshape(3, 4)[1:2, 2:3],
+    "empty numpy": lambda: np.zeros(0),
+    "one numpy column": lambda: np.arange(8.0).reshape(2, 4)[1:, 1:2],
+}
+
+
+@pytest.mark.parametrize("make", TINY_STRIDED.values(), ids=TINY_STRIDED.keys())
+def test_tiny_buffers_with_any_stride_are_written_in_place(make: Any) -> None:
+    x = make()
+    buf = CpuBuffer(x, "x", True)
+    nbytes = x.nbytes if isinstance(x, np.ndarray) else x.numel() * x.element_size()
+    assert buf.bytes.size == nbytes
+    buf.bytes[:] = np.arange(buf.bytes.size, dtype=np.uint8)
+    buf.tensor.reshape(-1).view(torch.uint8)  # gloo's and the exchanges' byte view
+    buf.commit()
+    raw = x.reshape(-1).tobytes() if isinstance(x, np.ndarray) else x.numpy().tobytes()
+    assert raw == bytes(range(buf.bytes.size))

@@ -69,6 +69,23 @@ def _writable(array: np.ndarray) -> np.ndarray:
     return np.asarray(_WritableInterface(array))
 
 
+def _dense(tensor: Any) -> Any:
+    """Return ``tensor`` with row-major strides: itself, or a view if it has under two elements.
+
+    torch counts a tensor of 0 or 1 elements contiguous whatever its strides
+    (``torch.zeros(4)[4::2]``, ``torch.ones(1, 4)[:, 0]``), but refuses to view it
+    as bytes unless its last stride is 1. The view shares the same memory.
+    """
+    if tensor.numel() > 1 or tensor.dim() == 0:
+        return tensor
+    strides = [1] * tensor.dim()
+    for i in range(tensor.dim() - 2, -1, -1):
+        strides[i] = strides[i + 1] * tensor.shape[i + 1]
+    if list(tensor.stride()) == strides:
+        return tensor
+    return tensor.as_strided(tensor.shape, strides, tensor.storage_offset())
+
+
 class CpuBuffer:
     """A contiguous CPU buffer standing for a user buffer during one op.
 
@@ -101,7 +118,7 @@ class CpuBuffer:
                 self._array = np.array(source, order="C", copy=True)
         else:
             self._array = None
-            self._tensor = source if shares else source.contiguous()
+            self._tensor = _dense(source) if shares else source.contiguous()
 
     @property
     def tensor(self) -> Any:
@@ -109,7 +126,7 @@ class CpuBuffer:
         if self._tensor is None:
             import torch
 
-            self._tensor = torch.from_numpy(_writable(self._array))
+            self._tensor = _dense(torch.from_numpy(_writable(self._array)))
         return self._tensor
 
     @property
