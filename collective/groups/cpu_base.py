@@ -20,10 +20,11 @@ from collective.groups.cpu_connect import Member, Transports, connect
 from collective.groups.gloo import GlooGroup
 from collective.groups.lanes import Lane, Task
 from collective.groups.plans import Flat, Hierarchy
-from collective.groups.shm.algorithms import Collectives, SizeMismatchError, Solo
+from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.arena import OP_SEQ
 from collective.groups.shm.mail import Mail, MessageMismatchError
 from collective.groups.shm.short import ShortOps
+from collective.groups.shm.solo import Solo
 from collective.groups.shm.steps import MismatchError, Steps
 from collective.groups.shm.sync import AbortedError, PeerDiedError, Waiter
 from collective.groups.watch import FailureWatch
@@ -124,7 +125,7 @@ class CpuGroupBase(BaseGroup):
         local: Collectives | Solo = Solo()
         if found.arena is not None and found.liveness is not None:
             self._waiter = Waiter(found.arena, topo.local_rank, found.liveness, self._interrupted)
-            self._steps = Steps(found.arena, topo.local_rank, self._waiter)
+            self._steps = Steps(found.arena, topo.local_rank, self._waiter, topo.local_ranks)
             self._mail = Mail(found.arena, topo.local_rank, self._waiter)
             local = Collectives(self._steps)
         if found.mode == "shm":
@@ -132,7 +133,7 @@ class CpuGroupBase(BaseGroup):
             if self._steps is not None:
                 self._short = ShortOps(self._steps, self.world_size, self._accepts)
         else:
-            self._plan = Hierarchy(topo, local, self._mail, found.leaders, self.world_size)
+            self._plan = Hierarchy(topo, local, found.leaders, self.world_size)
 
     def _accepts(self, op: ReduceOp | None, dtype: str) -> bool:
         """Return whether the checks of an op pass ``op`` (None: no reduction) on ``dtype``."""
@@ -220,7 +221,7 @@ class CpuGroupBase(BaseGroup):
 
     def _failed(self, op: str, timeout: timedelta, exc: BaseException) -> BaseException:
         """Turn what ``exc`` says into the error the caller sees; break the group if needed."""
-        if isinstance(exc, SizeMismatchError):
+        if isinstance(exc, ArgumentError):
             return exc
         where = f"{op} on group {self.group_name!r}"
         if isinstance(exc, MessageMismatchError):
@@ -237,7 +238,10 @@ class CpuGroupBase(BaseGroup):
             dead = self._global_rank(exc.local_rank)
             error = CollectiveError(f"{where} failed on rank {self.rank}: rank {dead} died")
         elif isinstance(exc, AbortedError):
-            error = CollectiveError(f"{where} was aborted on rank {self.rank}: {exc}")
+            why = str(exc)
+            if exc.local_rank is not None and not why:
+                why = f"rank {self._global_rank(exc.local_rank)} gave up on the group"
+            error = CollectiveError(f"{where} was aborted on rank {self.rank}: {why}")
         elif isinstance(exc, MismatchError):
             error = CollectiveError(
                 f"{where} failed on rank {self.rank}: {exc}; pass check_args=True to the "
@@ -259,7 +263,7 @@ class CpuGroupBase(BaseGroup):
         if self._error is None:
             self._error = error
         if self._waiter is not None and self._steps is not None and self._mail is not None:
-            self._waiter.abort(self._steps.all_counters() + self._mail.counters())
+            self._waiter.abort(self._steps.all_counters() + self._mail.counters(), str(error))
         if self._watch is not None:
             self._watch.report(str(error))
 
@@ -299,7 +303,7 @@ class CpuGroupBase(BaseGroup):
         if self._waiter is not None and self._steps is not None and self._mail is not None:
             counters = self._steps.all_counters() + self._mail.counters()
             if pending:
-                self._waiter.abort(counters)
+                self._waiter.abort(counters, reason)
             else:
                 self._waiter.wake_all(counters)
         if pending and self._watch is not None:

@@ -19,23 +19,25 @@ Leaders' Gloo calls get what is left of the op's deadline as their timeout.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 from collective.groups.gloo import GlooGroup
-from collective.groups.shm.algorithms import Collectives, Solo
+from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.kernels import Reducer
-from collective.groups.shm.mail import Mail
-from collective.groups.shm.steps import dtype_code
+from collective.groups.shm.solo import Solo
 from collective.groups.topology import Topology
 from collective.tensor import CpuBuffer
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
+    ArgumentError,
     BarrierOptions,
     BroadcastOptions,
+    CollectiveError,
     ReduceOp,
     ReduceOptions,
 )
@@ -137,14 +139,12 @@ class Hierarchy:
         self,
         topo: Topology,
         local: Local,
-        mail: Mail | None,
         leaders: GlooGroup | None,
         world_size: int,
     ) -> None:
         """Compose ``local`` (this node's collectives) with ``leaders`` (on leaders only)."""
         self.topo = topo
         self.local = local
-        self._mail = mail
         self._leaders = leaders
         self._world_size = world_size
         self._reducers = Reducers(world_size)
@@ -157,15 +157,19 @@ class Hierarchy:
         if op is ReduceOp.AVG:
             self._reducers.get(op, dtype).finish(data)
 
-    def _mailbox(self) -> Mail:
-        if self._mail is None:
-            raise RuntimeError("a node of one rank has no mailboxes")
-        return self._mail
+    def _across(self, call: Callable[[GlooGroup], Any]) -> None:
+        """Run ``call`` on the leaders' Gloo group; its argument errors break this group.
 
-    def _leader(self) -> GlooGroup:
+        A leader that learns the nodes disagree cannot leave the group usable: the
+        other ranks of its node wait for it in the middle of the op. So the error
+        becomes a ``CollectiveError``, which breaks the group and ends their waits.
+        """
         if self._leaders is None:
             raise RuntimeError("only a node's leader talks to the other nodes")
-        return self._leaders
+        try:
+            call(self._leaders)
+        except ArgumentError as exc:
+            raise CollectiveError(f"the nodes' leaders disagree: {exc}") from exc
 
     def allreduce(self, buf: CpuBuffer, op: ReduceOp, deadline: float) -> None:
         """Reduce into every rank's ``buf``."""
@@ -174,7 +178,7 @@ class Hierarchy:
         if self.topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = AllReduceOptions(gloo_op, _left(deadline))
-            self._leader().allreduce([_tensor(data, buf)], options)
+            self._across(lambda g: g.allreduce([_tensor(data, buf)], options))
             self._finish(op, dtype, data)
         self.local.broadcast(data, 0, dtype, deadline)
 
@@ -189,14 +193,12 @@ class Hierarchy:
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = ReduceOptions(gloo_op, root_node, 0, _left(deadline))
-            self._leader().reduce([_tensor(data, buf)], options)
+            self._across(lambda g: g.reduce([_tensor(data, buf)], options))
             if topo.node == root_node:
                 self._finish(op, dtype, data)
         if topo.node == root_node and root != leader_of_root:
-            if topo.rank == leader_of_root:
-                self._mailbox().send(data, topo.local_rank_of(root), dtype_code(dtype), deadline)
-            elif topo.rank == root:
-                self._mailbox().recv(buf.bytes, 0, dtype_code(dtype), deadline)
+            target = buf.bytes if topo.rank == root else data
+            self.local.relay(target, 0, topo.local_rank_of(root), dtype, deadline)
 
     def broadcast(self, buf: CpuBuffer, root: int, deadline: float) -> None:
         """Copy ``root``'s ``buf`` into every other rank's; the root's is only read."""
@@ -205,13 +207,10 @@ class Hierarchy:
         leader_of_root = topo.leaders[root_node]
         data = buf.bytes.copy() if topo.rank == root and not topo.is_leader else buf.bytes
         if topo.node == root_node and root != leader_of_root:
-            if topo.rank == root:
-                self._mailbox().send(data, 0, dtype_code(dtype), deadline)
-            elif topo.rank == leader_of_root:
-                self._mailbox().recv(data, topo.local_rank_of(root), dtype_code(dtype), deadline)
+            self.local.relay(data, topo.local_rank_of(root), 0, dtype, deadline)
         if topo.is_leader:
             options = BroadcastOptions(root_node, 0, _left(deadline))
-            self._leader().broadcast([_tensor(data, buf)], options)
+            self._across(lambda g: g.broadcast([_tensor(data, buf)], options))
         self.local.broadcast(data, 0, dtype, deadline)
 
     def allgather(self, source: CpuBuffer, outputs: list[CpuBuffer], deadline: float) -> None:
@@ -227,7 +226,7 @@ class Hierarchy:
         if topo.is_leader:
             rows = [_tensor(block[n].reshape(-1), source) for n in range(len(topo.nodes))]
             ours = _tensor(mine.reshape(-1).copy(), source)
-            self._leader().allgather([rows], [ours], AllGatherOptions(_left(deadline)))
+            self._across(lambda g: g.allgather([rows], [ours], AllGatherOptions(_left(deadline))))
         self.local.broadcast(full, 0, dtype, deadline)
         for node, ranks in enumerate(topo.nodes):
             for i, rank in enumerate(ranks):
@@ -244,7 +243,7 @@ class Hierarchy:
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = AllReduceOptions(gloo_op, _left(deadline))
-            self._leader().allreduce([_tensor(whole, output)], options)
+            self._across(lambda g: g.allreduce([_tensor(whole, output)], options))
             self._finish(op, dtype, whole)
         chunks = [whole[r * size : (r + 1) * size] for r in topo.local_ranks]
         self.local.scatter(chunks if topo.is_leader else [], output.bytes, 0, dtype, deadline)
@@ -253,5 +252,5 @@ class Hierarchy:
         """Return once every rank has entered the barrier."""
         self.local.barrier(deadline)
         if self.topo.is_leader:
-            self._leader().barrier(BarrierOptions(_left(deadline)))
+            self._across(lambda g: g.barrier(BarrierOptions(_left(deadline))))
         self.local.barrier(deadline)

@@ -9,10 +9,13 @@ local ranks (indices among the node's ranks).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from collective.groups.shm.kernels import Reducer
-from collective.groups.shm.steps import Steps
+from collective.groups.shm.steps import Steps, itemsize
+from collective.types import ArgumentValueError
 
 SPLIT_ALLREDUCE_BYTES = 256 << 10
 """Allreduces of at least this many bytes split the reduction among the local ranks
@@ -62,17 +65,30 @@ class Collectives:
 
     def broadcast(self, data: np.ndarray, root: int, dtype: str, deadline: float) -> None:
         """Copy ``root``'s ``data`` into every other rank's ``data``, in place."""
+        self.steps.begin("broadcast", dtype, root=root, nbytes=data.size)
+        self._copy(data, root, [r for r in range(self.size) if r != root], deadline)
+
+    def _copy(self, data: np.ndarray, source: int, readers: list[int], deadline: float) -> None:
+        """Copy ``source``'s ``data`` into the ``data`` of each rank of ``readers``.
+
+        Every local rank takes the steps; the others' ``data`` is not touched. The
+        source confirms on the first step that every reader runs the same op.
+        """
         steps, me = self.steps, self.rank
-        steps.begin("broadcast", dtype, root=root, nbytes=data.size)
+        first = steps.step
         for start, end in _spans(data.size, steps.slot_bytes):
             step = steps.next()
-            if me == root:
+            if me == source:
                 steps.free(step, deadline)
                 steps.slot(step)[: end - start] = data[start:end]
                 steps.post(step)
-            else:
-                steps.collect(root, step, deadline)
-                data[start:end] = steps.peer_slot(root, step)[: end - start]
+                if step == first:
+                    steps.confirm(readers, step, deadline)
+            elif me in readers:
+                if step == first:
+                    steps.arrive(step, deadline)
+                steps.collect(source, step, deadline)
+                data[start:end] = steps.peer_slot(source, step)[: end - start]
             steps.done(step)
 
     def reduce(
@@ -81,6 +97,7 @@ class Collectives:
         """Reduce every rank's ``data`` onto ``root``'s ``data``; the others' stay as they were."""
         steps, me = self.steps, self.rank
         steps.begin("reduce", dtype, reducer.op.value, root, data.size)
+        first = steps.step
         for start, end in _spans(data.size, steps.slot_bytes):
             step = steps.next()
             length = end - start
@@ -88,10 +105,14 @@ class Collectives:
                 steps.free(step, deadline)
                 steps.slot(step)[:length] = data[start:end]
                 steps.post(step)
+                if step == first:
+                    steps.confirm([root], step, deadline)
             else:
+                if step == first:
+                    steps.arrive(step, deadline)
                 out = data[start:end]
+                steps.collect_all(step, deadline)
                 for rank in steps.others:
-                    steps.collect(rank, step, deadline)
                     reducer(out, steps.peer_slot(rank, step)[:length], out)
                 reducer.finish(out)
             steps.done(step)
@@ -194,9 +215,9 @@ class Collectives:
             steps.free(step, deadline)
             steps.slot(step)[:length] = piece[start:end]
             steps.post(step)
+            steps.collect_all(step, deadline)
             outputs[me][start:end] = piece[start:end]
             for rank in steps.others:
-                steps.collect(rank, step, deadline)
                 outputs[rank][start:end] = steps.peer_slot(rank, step)[:length]
             steps.done(step)
 
@@ -206,6 +227,7 @@ class Collectives:
         """Write every rank's ``piece`` into ``outputs[rank]`` on ``root`` (``[]`` elsewhere)."""
         steps, me = self.steps, self.rank
         steps.begin("gather", dtype, root=root, nbytes=piece.size)
+        first = steps.step
         for start, end in _spans(piece.size, steps.slot_bytes):
             step = steps.next()
             length = end - start
@@ -213,10 +235,14 @@ class Collectives:
                 steps.free(step, deadline)
                 steps.slot(step)[:length] = piece[start:end]
                 steps.post(step)
+                if step == first:
+                    steps.confirm([root], step, deadline)
             else:
+                if step == first:
+                    steps.arrive(step, deadline)
+                steps.collect_all(step, deadline)
                 outputs[me][start:end] = piece[start:end]
                 for rank in steps.others:
-                    steps.collect(rank, step, deadline)
                     outputs[rank][start:end] = steps.peer_slot(rank, step)[:length]
             steps.done(step)
 
@@ -227,6 +253,7 @@ class Collectives:
         steps, me = self.steps, self.rank
         steps.begin("scatter", dtype, root=root, nbytes=output.size)
         piece = _piece_bytes(steps)
+        first = steps.step
         for start, end in _spans(output.size, piece):
             step = steps.next()
             length = end - start
@@ -236,12 +263,28 @@ class Collectives:
                 for rank in steps.others:
                     slot[rank * piece : rank * piece + length] = inputs[rank][start:end]
                 steps.post(step)
+                if step == first:
+                    steps.confirm(steps.others, step, deadline)
                 output[start:end] = inputs[me][start:end]
             else:
+                if step == first:
+                    steps.arrive(step, deadline)
                 steps.collect(root, step, deadline)
                 offset = me * piece
                 output[start:end] = steps.peer_slot(root, step)[offset : offset + length]
             steps.done(step)
+
+    def relay(
+        self, data: np.ndarray, source: int, target: int, dtype: str, deadline: float
+    ) -> None:
+        """Copy ``source``'s ``data`` into ``target``'s ``data``; every local rank takes part.
+
+        The other ranks only count the steps (their ``data`` is not touched), so that
+        the pieces of one hierarchical op move through the collective slots, in the
+        group's one stream of collectives, and never through the user's mailboxes.
+        """
+        self.steps.begin("relay", dtype, root=source * self.size + target, nbytes=data.size)
+        self._copy(data, source, [target], deadline)
 
     def reducescatter(
         self,
@@ -275,8 +318,8 @@ class Collectives:
         """Send ``inputs[j]`` to rank j; ``outputs[j]`` receives what rank j sends here.
 
         The ranks first swap their sizes, so every rank knows every pair's size:
-        sizes that do not pair up raise ``SizeMismatchError`` on every rank alike, before
-        any data moves, and the group stays usable.
+        sizes that do not pair up raise the same ``ArgumentValueError`` on every rank,
+        before any data moves, and the group stays usable.
         """
         steps, me, n = self.steps, self.rank, self.size
         steps.begin("alltoall", dtype)
@@ -291,14 +334,7 @@ class Collectives:
         steps.done(step)
         sends, receives = table[:, :n], table[:, n:]
         if not np.array_equal(sends, receives.T):
-            bad = [
-                f"rank {j} expects {int(receives[j, i])} bytes from rank {i}, which sends "
-                f"{int(sends[i, j])}"
-                for i in range(n)
-                for j in range(n)
-                if sends[i, j] != receives[j, i]
-            ]
-            raise SizeMismatchError("alltoall sizes do not pair up: " + "; ".join(bad))
+            raise unpaired(sends, receives, itemsize(dtype), steps.ranks)
         outputs[me][:] = inputs[me]
         piece = _piece_bytes(steps)
         largest = int(sends.max(initial=0))
@@ -320,69 +356,20 @@ class Collectives:
             steps.done(step)
 
 
-class SizeMismatchError(ValueError, RuntimeError):
-    """Every rank found that the ranks' sizes disagree; no data moved."""
+def unpaired(
+    sends: np.ndarray, receives: np.ndarray, size: int, ranks: Sequence[int]
+) -> ArgumentValueError:
+    """Return the error of an alltoall whose byte counts do not pair up, counted in elements.
 
-
-class Solo:
-    """The same ops for a node where this rank is alone: local copies, no arena."""
-
-    size = 1
-    rank = 0
-
-    def barrier(self, deadline: float) -> None:
-        """Return at once."""
-
-    def broadcast(self, data: np.ndarray, root: int, dtype: str, deadline: float) -> None:
-        """Leave ``data`` as it is: this rank is the root."""
-
-    def reduce(
-        self, data: np.ndarray, root: int, reducer: Reducer, dtype: str, deadline: float
-    ) -> None:
-        """Finish the reduction of ``data`` alone (AVG divides by the world size)."""
-        reducer.finish(data)
-
-    def allreduce(self, data: np.ndarray, reducer: Reducer, dtype: str, deadline: float) -> None:
-        """Finish the reduction of ``data`` alone (AVG divides by the world size)."""
-        reducer.finish(data)
-
-    def allgather(
-        self, piece: np.ndarray, outputs: list[np.ndarray], dtype: str, deadline: float
-    ) -> None:
-        """Copy ``piece`` into ``outputs[0]``."""
-        outputs[0][:] = piece
-
-    def gather(
-        self, piece: np.ndarray, outputs: list[np.ndarray], root: int, dtype: str, deadline: float
-    ) -> None:
-        """Copy ``piece`` into ``outputs[0]``."""
-        outputs[0][:] = piece
-
-    def scatter(
-        self, inputs: list[np.ndarray], output: np.ndarray, root: int, dtype: str, deadline: float
-    ) -> None:
-        """Copy ``inputs[0]`` into ``output``."""
-        output[:] = inputs[0]
-
-    def reducescatter(
-        self,
-        inputs: list[np.ndarray],
-        output: np.ndarray,
-        reducer: Reducer,
-        dtype: str,
-        deadline: float,
-    ) -> None:
-        """Copy ``inputs[0]`` into ``output`` and finish the reduction there."""
-        output[:] = inputs[0]
-        reducer.finish(output)
-
-    def alltoall(
-        self, inputs: list[np.ndarray], outputs: list[np.ndarray], dtype: str, deadline: float
-    ) -> None:
-        """Copy ``inputs[0]`` into ``outputs[0]``, checking that their sizes pair up."""
-        if inputs[0].size != outputs[0].size:
-            raise SizeMismatchError(
-                f"alltoall sizes do not pair up: rank 0 expects {outputs[0].size} bytes "
-                f"from rank 0, which sends {inputs[0].size}"
-            )
-        outputs[0][:] = inputs[0]
+    ``sends[i, j]`` is what local rank i sends to j, ``receives[j, i]`` what j expects
+    from i; ``ranks`` maps local ranks to the group's.
+    """
+    n = len(ranks)
+    bad = [
+        f"rank {ranks[j]} expects {int(receives[j, i]) // size} elements from rank "
+        f"{ranks[i]}, which sends {int(sends[i, j]) // size}"
+        for i in range(n)
+        for j in range(n)
+        if sends[i, j] != receives[j, i]
+    ]
+    return ArgumentValueError("alltoall sizes do not pair up: " + "; ".join(bad))

@@ -10,6 +10,8 @@ Layout, every region aligned to 4096 bytes:
 
 - header: a magic number and the layout, checked by every rank that maps it, and
   the abort word, set by a rank that saw a failure;
+- reasons: ``REASON_BYTES`` per local rank, where a rank that sets the abort word
+  first writes why, so that the others can say it;
 - control: one block per local rank, written by that rank only: its step
   counters, pid and op sequence, and the bytes through which other ranks say
   they sleep on its counters;
@@ -71,6 +73,9 @@ HDR_STRIDE = 64
 # Words of the header page.
 ABORT_WORD = 16
 """Header word a rank sets to ``1 + its local rank`` when it has seen a failure."""
+
+REASON_BYTES = 512
+"""Bytes of each local rank's reason area: an int64 length, then UTF-8 text."""
 
 
 def _align(value: int, to: int) -> int:
@@ -136,8 +141,8 @@ class Layout:
 
     @property
     def control_offset(self) -> int:
-        """Return where the control blocks start."""
-        return PAGE
+        """Return where the control blocks start, after the header page and the reasons."""
+        return _align(PAGE + self.local_size * REASON_BYTES, PAGE)
 
     @property
     def mail_control_offset(self) -> int:
@@ -199,6 +204,11 @@ class Arena:
         self.mail_control = mail[: n * n * layout.mail_stride].view(np.int64).reshape(n, n, -1)
         headers = self.bytes[layout.header_offset : layout.header_offset + n * layout.nbuf * 64]
         self.slot_headers = headers.view(np.int64).reshape(n, layout.nbuf, HDR_STRIDE // WORD)
+
+    def reason(self, rank: int) -> np.ndarray:
+        """Return the bytes of ``rank``'s reason area (see ``REASON_BYTES``)."""
+        start = PAGE + rank * REASON_BYTES
+        return self.bytes[start : start + REASON_BYTES]
 
     def control_address(self, rank: int, word: int) -> int:
         """Return the address of ``word`` of ``rank``'s control block."""

@@ -116,10 +116,12 @@ class ShortOps:
         step, parts = self._start(plan)
         if steps.rank != root:
             self._give(step, parts, flat, deadline)
+            steps.confirm([root], step, deadline)
         else:
+            steps.arrive(step, deadline)
+            steps.collect_all(step, deadline)
             ufunc = plan.ufunc
             for rank in steps.others:
-                steps.collect(rank, step, deadline)
                 ufunc(flat, parts[rank], out=flat)
             if plan.divisor:
                 np.divide(flat, plan.divisor, out=flat)
@@ -139,7 +141,9 @@ class ShortOps:
         step, parts = self._start(plan)
         if steps.rank == root:
             self._give(step, parts, flat, deadline)
+            steps.confirm(steps.others, step, deadline)
         else:
+            steps.arrive(step, deadline)
             steps.collect(root, step, deadline)
             flat[...] = parts[root]
         steps.done(step)

@@ -16,6 +16,7 @@ reading wrong data.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ from collective.groups.shm.arena import (
 )
 from collective.groups.shm.sync import Counter, Waiter
 from collective.tensor import DTYPES
+from collective.types import ReduceOp
 
 KINDS = (
     "barrier",
@@ -42,8 +44,17 @@ KINDS = (
     "gather",
     "scatter",
     "alltoall",
+    "relay",
 )
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPES))}
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+_NUMPY_NAMES = {"bfloat16": "int16"}
+"""Dtypes numpy lacks, by a numpy dtype of their item size."""
+
+
+def itemsize(dtype: str) -> int:
+    """Return the bytes of one element of ``dtype`` (a dtype name; 1 for an empty name)."""
+    return np.dtype(_NUMPY_NAMES.get(dtype, dtype)).itemsize if dtype else 1
 
 
 def dtype_code(dtype: str) -> int:
@@ -71,13 +82,33 @@ class Signature:
         dtype = _DTYPE_CODES.get(self.dtype, 0)
         return kind | dtype << 8 | (self.reduce_op + 1) << 16 | (self.root + 1) << 24
 
-    def describe(self) -> str:
-        """Return a short human-readable form, e.g. ``allreduce of 64 float32 bytes``."""
+    @classmethod
+    def unpack(cls, word: int, nbytes: int) -> Signature:
+        """Return the signature that ``word`` packs, with ``nbytes``; unknown fields stay blank."""
+        kind = word & 0xFF
+        dtype = _DTYPE_NAMES.get((word >> 8) & 0xFF, "")
+        return cls(
+            KINDS[kind - 1] if 0 < kind <= len(KINDS) else "an unknown op",
+            dtype,
+            ((word >> 16) & 0xFF) - 1,
+            (word >> 24) - 1,
+            nbytes,
+        )
+
+    def describe(self, ranks: Sequence[int] | None = None) -> str:
+        """Return a short readable form, e.g. ``reduce (SUM) of 8 float32 elements with root 1``.
+
+        ``ranks`` maps local ranks to the group's ranks, for the root.
+        """
         parts = [self.kind]
-        if self.nbytes:
-            parts.append(f"of {self.nbytes} {self.dtype} bytes".replace("  ", " "))
-        if self.root >= 0:
-            parts.append(f"from root {self.root}")
+        if self.reduce_op >= 0:
+            parts.append(f"({ReduceOp(self.reduce_op).name})")
+        if self.dtype:
+            count = self.nbytes // itemsize(self.dtype)
+            parts.append(f"of {count} {self.dtype} element{'' if count == 1 else 's'}")
+        root = self.root
+        if root >= 0 and self.kind != "relay":
+            parts.append(f"with root {ranks[root] if ranks and root < len(ranks) else root}")
         return " ".join(parts)
 
 
@@ -102,9 +133,15 @@ def counters(arena: Arena, kind: int) -> list[Counter]:
 class Steps:
     """One local rank's side of the step protocol on one arena."""
 
-    def __init__(self, arena: Arena, local_rank: int, waiter: Waiter) -> None:
-        """Take part as ``local_rank`` in the steps of ``arena``."""
+    def __init__(
+        self, arena: Arena, local_rank: int, waiter: Waiter, ranks: Sequence[int] | None = None
+    ) -> None:
+        """Take part as ``local_rank`` in the steps of ``arena``.
+
+        ``ranks`` maps local ranks to the group's ranks, for messages (None: the same).
+        """
         layout = arena.layout
+        self.ranks = list(ranks) if ranks is not None else list(range(layout.local_size))
         self.size = layout.local_size
         self.rank = local_rank
         self.slot_bytes = layout.slot_bytes
@@ -152,9 +189,6 @@ class Steps:
         self._nbytes = nbytes
         self._key = key
 
-    def _describe(self) -> str:
-        return Signature(*self._key, self._nbytes).describe()
-
     def slot(self, step: int) -> np.ndarray:
         """Return this rank's slot for ``step``."""
         return self.slots[self.rank][step % self.nbuf]
@@ -193,17 +227,47 @@ class Steps:
         """
         self.waiter.wait(self.posted[rank], step + 1, deadline)
         header = self._headers[rank][step % self.nbuf]
-        if header[HDR_OP] != self.op or header[HDR_SIG] != self._sig:
-            raise MismatchError(
-                f"local rank {rank} posted op #{int(header[HDR_OP])} with another signature "
-                f"where this rank runs op #{self.op}, {self._describe()}: the ranks "
-                "called different ops, or passed different roots, dtypes or reductions"
+        op, sig, nbytes = int(header[HDR_OP]), int(header[HDR_SIG]), int(header[HDR_BYTES])
+        if op != self.op or sig != self._sig or nbytes != self._nbytes:
+            raise MismatchError(self._mismatch(rank, op, Signature.unpack(sig, nbytes)))
+
+    def _mismatch(self, rank: int, op: int, theirs: Signature) -> str:
+        """Describe how local ``rank``, in its ``op``-th collective ``theirs``, differs."""
+        mine = Signature(*self._key, self._nbytes)
+        who, me = self.ranks[rank], self.ranks[self.rank]
+        if op != self.op:
+            return (
+                f"rank {who} is in its collective #{op} ({theirs.describe(self.ranks)}) where "
+                f"rank {me} is in its #{self.op} ({mine.describe(self.ranks)}): the ranks "
+                "called a different number of collectives on the group"
             )
-        if header[HDR_BYTES] != self._nbytes:
-            raise MismatchError(
-                f"local rank {rank} passed {int(header[HDR_BYTES])} bytes where this rank "
-                f"passed {self._nbytes} to op #{self.op}, {self._describe()}"
-            )
+        return (
+            f"rank {who} called {theirs.describe(self.ranks)} where rank {me} called "
+            f"{mine.describe(self.ranks)}"
+        )
+
+    def arrive(self, step: int, deadline: float) -> None:
+        """Post ``step`` without data: announce this rank's op to the ranks that write to it.
+
+        A rank that only reads in an op posts the op's first step this way, so that its
+        writers can ``confirm`` that it runs the same op before they return.
+        """
+        self.free(step, deadline)
+        self.post(step)
+
+    def confirm(self, readers: list[int], step: int, deadline: float) -> None:
+        """Check that every rank of ``readers`` arrived at ``step`` in the same op.
+
+        A rank that only writes in an op calls this on the op's first step, so that a
+        rank that never reads what it wrote (it runs another op, or the same op with
+        another root, size or dtype) is an error here, not a silent loss.
+
+        Raises:
+            MismatchError: a reader is in another op, or one with other arguments.
+
+        """
+        for rank in readers:
+            self.collect(rank, step, deadline)
 
     def collect_all(self, step: int, deadline: float) -> None:
         """Collect ``step`` from every other rank."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from collective.groups.shm.arena import ABORT_WORD, Arena
+from collective.groups.shm.arena import ABORT_WORD, REASON_BYTES, Arena
 
 SLICE_S = 0.02
 """The longest single sleep: the delay before a dead peer or an abort is seen."""
@@ -55,7 +55,16 @@ class PeerDiedError(Exception):
 
 
 class AbortedError(Exception):
-    """The wait was given up on: another rank failed, or the group was destroyed."""
+    """The wait was given up on: another rank failed, or the group was destroyed.
+
+    ``local_rank`` is the local rank that set the arena's abort word, or None when this
+    process gave up (a failure reported through the store, a destroy).
+    """
+
+    def __init__(self, reason: str, local_rank: int | None = None) -> None:
+        """Record why, and which local rank aborted, if one did."""
+        super().__init__(reason)
+        self.local_rank = local_rank
 
 
 def unsupported_reason() -> str:
@@ -223,10 +232,20 @@ class Waiter:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self._crowded = arena.layout.local_size > cores
         self._header = arena.header
+        self._reasons = [arena.reason(r) for r in range(arena.layout.local_size)]
 
     def release(self) -> None:
         """Drop this waiter's view of the arena, so that it can be unmapped."""
         self._header = np.zeros(ABORT_WORD + 1, np.int64)
+        self._reasons = []
+
+    def reason_of(self, local_rank: int) -> str:
+        """Return why ``local_rank`` set the abort word, as it wrote it ("" if it did not)."""
+        if local_rank >= len(self._reasons):
+            return ""
+        area = self._reasons[local_rank]
+        length = min(int(area[:8].view(np.int64)[0]), REASON_BYTES - 8)
+        return bytes(area[8 : 8 + max(length, 0)]).decode(errors="replace")
 
     def aborted_by(self) -> int | None:
         """Return the local rank that set the abort word, or None."""
@@ -237,7 +256,7 @@ class Waiter:
         """Raise if the wait on ``counter`` can no longer succeed."""
         by = self.aborted_by()
         if by is not None:
-            raise AbortedError(f"local rank {by} aborted the group's shared-memory transport")
+            raise AbortedError(self.reason_of(by), by)
         reason = self._interrupted()
         if reason is not None:
             raise AbortedError(reason)
@@ -286,9 +305,18 @@ class Waiter:
         if any(counter.flag_words.tolist()):
             self._kernel.wake(counter.address)
 
-    def abort(self, counters: list[Counter]) -> None:
-        """Set the arena's abort word and wake every sleeper on ``counters``."""
+    def abort(self, counters: list[Counter], reason: str) -> None:
+        """Write ``reason``, set the arena's abort word, and wake every sleeper on ``counters``.
+
+        The other local ranks' waits then raise ``AbortedError`` with the reason
+        written by the first rank that set the word.
+        """
         if not self._header[ABORT_WORD]:
+            text = reason.encode()[: REASON_BYTES - 8]
+            area = self._reasons[self._me]
+            area[8 : 8 + len(text)] = np.frombuffer(text, np.uint8)
+            area[:8].view(np.int64)[0] = len(text)
+            self._kernel.fence()
             self._header[ABORT_WORD] = self._me + 1
         self.wake_all(counters)
 
