@@ -100,7 +100,9 @@ class CpuGroupBase(BaseGroup):
             connect(member, self._found, node, slot_bytes)
             if self._found.mode != "gloo":
                 self._start_shm()
-                self._watch = FailureWatch(store, rank, world_size, group_name)
+                self._watch = FailureWatch(
+                    store, rank, world_size, group_name, on_failure=self._end_gloo_legs
+                )
         except TimeoutError as exc:
             self.destroy_group()
             raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
@@ -163,6 +165,18 @@ class CpuGroupBase(BaseGroup):
         return gloo.error if gloo is not None else self._error
 
     # --- running ops -------------------------------------------------------------------------
+
+    def _end_gloo_legs(self, failure: str) -> None:
+        """End the Gloo legs' pending ops at once: another rank of the group has failed.
+
+        A leader waits in the leaders' Gloo op, whose own watch hears only of the
+        leaders' failures; a rank that dies on another node is seen by its node's
+        ranks, which report it to every rank of the group. The legs are aborted,
+        so the op there ends with ``failure`` instead of at its timeout.
+        """
+        for gloo in (self._found.leaders, self._found.full):
+            if gloo is not None:
+                gloo.abort(f"the group {self.group_name!r} failed: {failure}")
 
     def _interrupted(self) -> str | None:
         """Return why every wait of this rank must end now, or None."""

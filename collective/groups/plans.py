@@ -30,7 +30,7 @@ from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.solo import Solo
 from collective.groups.topology import Topology
-from collective.tensor import CpuBuffer
+from collective.tensor import CpuBuffer, bytes_as
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -121,13 +121,6 @@ class Flat:
         self.local.alltoall(ins, outs, dtype, deadline)
 
 
-def _tensor(data: np.ndarray, like: CpuBuffer) -> Any:
-    """Return the bytes ``data`` as a torch tensor of ``like``'s dtype, sharing memory."""
-    import torch
-
-    return torch.from_numpy(data).view(like.torch_dtype)
-
-
 def _left(deadline: float) -> timedelta:
     return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
 
@@ -178,7 +171,7 @@ class Hierarchy:
         if self.topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = AllReduceOptions(gloo_op, _left(deadline))
-            self._across(lambda g: g.allreduce([_tensor(data, buf)], options))
+            self._across(lambda g: g.allreduce([bytes_as(data, buf)], options))
             self._finish(op, dtype, data)
         self.local.broadcast(data, 0, dtype, deadline)
 
@@ -193,7 +186,7 @@ class Hierarchy:
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = ReduceOptions(gloo_op, root_node, 0, _left(deadline))
-            self._across(lambda g: g.reduce([_tensor(data, buf)], options))
+            self._across(lambda g: g.reduce([bytes_as(data, buf)], options))
             if topo.node == root_node:
                 self._finish(op, dtype, data)
         if topo.node == root_node and root != leader_of_root:
@@ -210,7 +203,7 @@ class Hierarchy:
             self.local.relay(data, topo.local_rank_of(root), 0, dtype, deadline)
         if topo.is_leader:
             options = BroadcastOptions(root_node, 0, _left(deadline))
-            self._across(lambda g: g.broadcast([_tensor(data, buf)], options))
+            self._across(lambda g: g.broadcast([bytes_as(data, buf)], options))
         self.local.broadcast(data, 0, dtype, deadline)
 
     def allgather(self, source: CpuBuffer, outputs: list[CpuBuffer], deadline: float) -> None:
@@ -224,8 +217,8 @@ class Hierarchy:
         gathered = [mine[i] for i in range(len(topo.local_ranks))]
         self.local.gather(piece, gathered if topo.is_leader else [], 0, dtype, deadline)
         if topo.is_leader:
-            rows = [_tensor(block[n].reshape(-1), source) for n in range(len(topo.nodes))]
-            ours = _tensor(mine.reshape(-1).copy(), source)
+            rows = [bytes_as(block[n].reshape(-1), source) for n in range(len(topo.nodes))]
+            ours = bytes_as(mine.reshape(-1).copy(), source)
             self._across(lambda g: g.allgather([rows], [ours], AllGatherOptions(_left(deadline))))
         self.local.broadcast(full, 0, dtype, deadline)
         for node, ranks in enumerate(topo.nodes):
@@ -243,7 +236,7 @@ class Hierarchy:
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = AllReduceOptions(gloo_op, _left(deadline))
-            self._across(lambda g: g.allreduce([_tensor(whole, output)], options))
+            self._across(lambda g: g.allreduce([bytes_as(whole, output)], options))
             self._finish(op, dtype, whole)
         chunks = [whole[r * size : (r + 1) * size] for r in topo.local_ranks]
         self.local.scatter(chunks if topo.is_leader else [], output.bytes, 0, dtype, deadline)

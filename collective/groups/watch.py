@@ -71,13 +71,19 @@ class FailureWatch:
         world_size: int,
         group_name: str,
         op_count: Callable[[], int] = lambda: 0,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
-        """Start the watch thread of ``rank``; it answers progress queries with ``op_count()``."""
+        """Start the watch thread of ``rank``; it answers progress queries with ``op_count()``.
+
+        ``on_failure(report)`` runs in the watch thread once another rank reports a
+        failure, to end at once what no wait slice looks at (another group's op).
+        """
         self._store = store
         self._watched = store.watcher()
         self._rank = rank
         self._world_size = world_size
         self._op_count = op_count
+        self._on_failure = on_failure
         self._failure: str | None = None
         self._stopped = False
         self._thread = threading.Thread(
@@ -104,6 +110,8 @@ class FailureWatch:
                 continue
             if value != _STOP:
                 self._failure = value.decode(errors="replace")
+                if self._on_failure is not None:
+                    self._on_failure(self._failure)
             return
 
     def progress(self, op_number: int) -> str:

@@ -4,7 +4,7 @@
 lie, ``cpu`` wraps CPU buffers for the CPU backend and ``cuda`` GPU buffers for NCCL.
 """
 
-from collective.tensor.cpu import CpuBuffer, plain_flat
+from collective.tensor.cpu import CpuBuffer, bytes_as, plain_flat
 from collective.tensor.cuda import (
     NCCL_DTYPES,
     CudaBuffer,
@@ -57,6 +57,7 @@ __all__ = [
     "aliasing",
     "array_bytes",
     "byte_array",
+    "bytes_as",
     "chunks",
     "copy_of",
     "cuda_buffer",

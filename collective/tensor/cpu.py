@@ -86,6 +86,16 @@ def _dense(tensor: Any) -> Any:
     return tensor.as_strided(tensor.shape, strides, tensor.storage_offset())
 
 
+def bytes_as(data: np.ndarray, like: CpuBuffer) -> Any:
+    """Return the flat ``uint8`` array ``data`` as a torch tensor of ``like``'s dtype.
+
+    The tensor shares ``data``'s memory, so writing it writes ``data``.
+    """
+    import torch
+
+    return _dense(torch.from_numpy(data)).view(like.torch_dtype)
+
+
 class CpuBuffer:
     """A contiguous CPU buffer standing for a user buffer during one op.
 

@@ -1,0 +1,147 @@
+"""Two Ray nodes: user messages beside hierarchical ops, tiny buffers, and a death seen at once.
+
+Ranks 0 and 1 live on node a (0 leads it), ranks 2 and 3 on node b (2 leads it),
+so a group of the four runs hierarchically: shared memory inside each node, Gloo
+between the leaders. This module starts its own two-node cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+import collective as col
+from tests.conftest import (
+    RAY_TIMEOUT_S,
+    Member,
+    allreduce_until_failure,
+    run_all,
+    unique_name,
+)
+
+GROUP_TIMEOUT = timedelta(seconds=10)
+NOTICE_S = 2.0
+"""How soon after a death every survivor must have raised (the goal is about a second)."""
+
+
+@pytest.fixture(scope="module")
+def actors() -> Iterator[list[Any]]:
+    """Start two nodes and two member actors on each; ranks 0, 1 on node a, 2, 3 on node b."""
+    two = Cluster(
+        initialize_head=True,
+        connect=True,
+        head_node_args={"num_cpus": 2, "resources": {"node_a": 10}, "include_dashboard": False},
+    )
+    two.add_node(num_cpus=2, resources={"node_b": 10})
+    two.wait_for_nodes()
+    members = [Member.options(resources={n: 1}).remote() for n in ["node_a"] * 2 + ["node_b"] * 2]
+    ray.get([a.actor_id.remote() for a in members], timeout=RAY_TIMEOUT_S)
+    yield members
+    ray.shutdown()
+    two.shutdown()
+
+
+def _init(rank: int, name: str) -> str:
+    col.init_collective_group(4, rank, backend="gloo", group_name=name, timeout=GROUP_TIMEOUT)
+    return col.get_group_handle(name).transport
+
+
+def _destroy(name: str) -> None:
+    col.destroy_collective_group(name)
+
+
+@pytest.fixture
+def group(actors: list[Any]) -> Iterator[str]:
+    """Make a hierarchical group of the four actors; destroy it afterwards."""
+    name = unique_name("hier")
+    assert run_all(actors, _init, range(4), [name] * 4) == ["hierarchical"] * 4
+    yield name
+    run_all(actors, _destroy, [name] * 4)
+
+
+def _send_then_op(rank: int, name: str, op: str) -> tuple[float, float | None]:
+    """Rank 0 sends -5 to rank 1 (reduce) or rank 1 to rank 0 (broadcast), then the op."""
+    sender, receiver = (0, 1) if op == "reduce" else (1, 0)
+    if rank == sender:
+        col.send(np.full(4, -5.0), receiver, name)
+    x = np.full(4, 42.0 if rank == 1 else float(rank + 1))
+    if op == "reduce":
+        col.reduce(x, 1, name)
+    else:
+        col.broadcast(x, 1, name)
+    got = None
+    if rank == receiver:
+        received = np.zeros(4)
+        col.recv(received, sender, name)
+        got = float(received[0])
+    return float(x[0]), got
+
+
+@pytest.mark.parametrize("op", ["reduce", "broadcast"])
+def test_a_user_message_and_an_op_rooted_off_the_leader_stay_apart(
+    actors: list[Any], group: str, op: str
+) -> None:
+    results = run_all(actors, _send_then_op, range(4), [group] * 4, [op] * 4)
+    for rank, (value, got) in enumerate(results):
+        if op == "reduce":
+            assert value == (42.0 + 1 + 3 + 4 if rank == 1 else rank + 1.0), results
+        else:
+            assert value == 42.0, results
+    receiver = 1 if op == "reduce" else 0
+    assert results[receiver][1] == -5.0, results
+
+
+def _tiny(rank: int, name: str) -> list[Any]:
+    """Run the ops on buffers of 0 or 1 elements with odd strides; return what each holds."""
+    out: list[Any] = []
+    empty_int = torch.zeros(0, dtype=torch.int32)
+    col.broadcast(empty_int, 0, name)
+    out.append(empty_int.numel())
+    one = torch.full((1, 4), float(rank + 1))[:, 0]
+    col.allreduce(one, name)
+    out.append(one.tolist())
+    past_end = torch.zeros(4)[4::2]
+    col.allreduce(past_end, name)
+    col.broadcast(np.zeros(0), 2, name)
+    col.reduce(torch.from_numpy(np.zeros(0)), 3, name)
+    column = torch.full((1, 4), float(rank))[:, 1]
+    col.broadcast(column, 3, name)
+    out.append(column.tolist())
+    received = [np.zeros(0) for _ in range(4)]
+    col.alltoall(received, [np.zeros(0) for _ in range(4)], name)
+    out.append([r.size for r in received])
+    return out
+
+
+def test_buffers_of_zero_or_one_element_with_any_stride_work_across_nodes(
+    actors: list[Any], group: str
+) -> None:
+    for out in run_all(actors, _tiny, range(4), [group] * 4):
+        assert out == [0, [10.0], [3.0], [0, 0, 0, 0]], out
+
+
+def test_a_death_on_one_node_reaches_every_rank_on_the_other_at_once(actors: list[Any]) -> None:
+    name = unique_name("death")
+    extra = Member.options(resources={"node_b": 1}).remote()
+    ranks = [*actors[:3], extra]
+    assert run_all(ranks, _init, range(4), [name] * 4) == ["hierarchical"] * 4
+    refs = [a.run.remote(allreduce_until_failure, name) for a in ranks]
+    time.sleep(2.0)
+    killed_at = time.time()
+    ray.kill(extra)
+    outcomes = ray.get(refs[:3], timeout=RAY_TIMEOUT_S)
+    delays = [round(at - killed_at, 3) for at, _, _ in outcomes]
+    print(f"\nnon-leader on node b killed; ranks 0, 1, 2 raised after {delays} s")
+    for at, kind, message in outcomes:
+        assert kind == "CollectiveError", message
+        assert name in message, message
+    assert max(delays) < NOTICE_S, (delays, outcomes)
+    run_all(ranks[:3], _destroy, [name] * 3)
