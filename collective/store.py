@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -122,8 +123,57 @@ def meet(
 
     store.set(f"{prefix}/arrived/{rank}", b"1")
     if rank != 0:
-        store.get(f"{prefix}/ready", left())
+        await_gathered(store, f"{prefix}/ready", left())
         return
-    for peer in range(1, world_size):
-        store.get(f"{prefix}/arrived/{peer}", left())
+    gather_arrivals(store, lambda peer: f"{prefix}/arrived/{peer}", world_size, deadline)
     store.set(f"{prefix}/ready", b"1")
+
+
+def gather_arrivals(
+    store: RendezvousStore, key_of: Callable[[int], str], world_size: int, deadline: float
+) -> list[bytes]:
+    """Return the values of ``key_of(rank)`` for ranks 1 to ``world_size - 1``, as rank 0 does.
+
+    ``deadline`` is a ``time.monotonic`` time.
+
+    Raises:
+        TimeoutError: some rank's key was not set by ``deadline``; the message names
+            every rank whose key is missing then.
+
+    """
+    values = []
+    for peer in range(1, world_size):
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            values.append(store.get(key_of(peer), left))
+        except TimeoutError:
+            later = [p for p in range(peer + 1, world_size) if not _is_set(store, key_of(p))]
+            arrived = [p for p in range(world_size) if p != peer and p not in later]
+            raise TimeoutError(
+                f"ranks {[peer, *later]} never arrived; ranks {arrived} did"
+            ) from None
+    return values
+
+
+def await_gathered(store: RendezvousStore, key: str, timeout: timedelta) -> bytes:
+    """Return ``key``, which rank 0 sets once every rank has arrived.
+
+    Raises:
+        TimeoutError: it was not set in time; rank 0's error names the ranks missing.
+
+    """
+    try:
+        return store.get(key, timeout)
+    except TimeoutError:
+        raise TimeoutError(
+            "not every rank arrived in time (rank 0, which waits for them, names the "
+            "ranks that never did, unless it is one of them)"
+        ) from None
+
+
+def _is_set(store: RendezvousStore, key: str) -> bool:
+    try:
+        store.get(key, timedelta(milliseconds=1))
+    except TimeoutError:
+        return False
+    return True

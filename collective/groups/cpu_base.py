@@ -26,7 +26,7 @@ from collective.groups.shm.mail import Mail, MessageMismatchError
 from collective.groups.shm.short import ShortOps
 from collective.groups.shm.solo import Solo
 from collective.groups.shm.steps import MismatchError, Steps
-from collective.groups.shm.sync import AbortedError, PeerDiedError, Waiter
+from collective.groups.shm.sync import AbortedError, PeerDiedError, StalledError, Waiter
 from collective.groups.watch import FailureWatch
 from collective.store import RendezvousStore
 from collective.tensor import DTYPES
@@ -245,8 +245,9 @@ class CpuGroupBase(BaseGroup):
         if isinstance(exc, CollectiveError):
             error = exc
         elif isinstance(exc, TimeoutError):
+            stalled = exc.local_rank if isinstance(exc, StalledError) else None
             error = CollectiveTimeoutError(
-                op, self.group_name, self.rank, timeout, self._laggards()
+                op, self.group_name, self.rank, timeout, self._laggards(stalled)
             )
         elif isinstance(exc, PeerDiedError):
             dead = self._global_rank(exc.local_rank)
@@ -285,11 +286,13 @@ class CpuGroupBase(BaseGroup):
         topo = self._topology
         return topo.local_ranks[local_rank] if topo is not None else local_rank
 
-    def _laggards(self) -> str:
+    def _laggards(self, stalled: int | None = None) -> str:
         """Describe which ranks never joined this rank's current collective.
 
         Each local rank publishes in the arena how many collectives it has entered;
-        the ranks on other nodes are not asked.
+        the ranks on other nodes are not asked. ``stalled`` is the local rank this
+        rank waited on when time ran out: named when it joined the op but never
+        took its step.
         """
         arena = self._found.arena
         if self._steps is None or arena is None:
@@ -300,7 +303,12 @@ class CpuGroupBase(BaseGroup):
             if self._global_rank(r) != self.rank
         }
         others = [r for r in range(self.world_size) if r != self.rank and r not in counts]
-        return progress.describe(self.rank, self._steps.op, counts, others, "are on other nodes")
+        line = progress.describe(self.rank, self._steps.op, counts, others, "are on other nodes")
+        if stalled is not None:
+            rank = self._global_rank(stalled)
+            if counts.get(rank, 0) >= self._steps.op:
+                line += f"; rank {rank} joined it but did not take its step in time"
+        return line
 
     # --- teardown ----------------------------------------------------------------------------
 

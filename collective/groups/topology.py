@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective.store import RendezvousStore
+from collective.store import RendezvousStore, await_gathered, gather_arrivals
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -55,10 +55,9 @@ def exchange(
 
     if rank != 0:
         store.set(f"{prefix}/{rank}", json.dumps(value).encode())
-        return json.loads(store.get(f"{prefix}/all", left()))
-    values = [value] + [
-        json.loads(store.get(f"{prefix}/{peer}", left())) for peer in range(1, world_size)
-    ]
+        return json.loads(await_gathered(store, f"{prefix}/all", left()))
+    peers = gather_arrivals(store, lambda peer: f"{prefix}/{peer}", world_size, deadline)
+    values = [value] + [json.loads(v) for v in peers]
     store.set(f"{prefix}/all", json.dumps(values).encode())
     return values
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -38,6 +39,10 @@ NAME_PREFIX = "collective-"
 
 MAGIC = 0x314D_4853_4C4C_4F43
 """The first word of every arena: "COLLSHM1" in little-endian ASCII."""
+_MAGIC_BYTES = MAGIC.to_bytes(8, "little")
+
+_NAME = re.compile(re.escape(NAME_PREFIX) + r"([0-9]+)-[0-9a-f]{12}")
+"""The whole name of an arena file: the creator's pid, then 6 random bytes in hex."""
 
 PAGE = 4096
 WORD = 8
@@ -282,6 +287,7 @@ def create(layout: Layout) -> Arena:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, layout.size)
+        os.pwrite(fd, _MAGIC_BYTES, 0)
         mapping = _map(fd, layout.size)
     except BaseException:
         os.close(fd)
@@ -290,7 +296,6 @@ def create(layout: Layout) -> Arena:
     os.close(fd)
     arena = Arena(mapping, layout, path)
     arena.header[1 : 1 + len(layout.words()) - 1] = layout.words()[1:]
-    arena.header[0] = MAGIC
     return arena
 
 
@@ -336,10 +341,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _ours(path: str) -> bool:
+    """Return whether ``path`` is an arena this library made: this user's, with its magic."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return os.fstat(fd).st_uid == os.getuid() and os.pread(fd, 8, 0) == _MAGIC_BYTES
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def sweep_stale() -> int:
     """Unlink arenas whose creator died before it could unlink them; return how many.
 
-    Only a creator killed during a group's initialisation leaves one behind.
+    Only a creator killed during a group's initialisation leaves one behind. A file
+    is removed only when it is provably such an arena: named as ``create`` names
+    them, owned by this user, starting with the arena magic, and made by a process
+    that no longer runs.
     """
     removed = 0
     try:
@@ -347,13 +369,15 @@ def sweep_stale() -> int:
     except OSError:
         return 0
     for name in names:
-        if not name.startswith(NAME_PREFIX):
+        match = _NAME.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
             continue
-        pid = name[len(NAME_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed += 1
-            except OSError:
-                pass
+        path = os.path.join(SHM_DIR, name)
+        if not _ours(path):
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
     return removed

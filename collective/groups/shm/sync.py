@@ -54,6 +54,15 @@ class PeerDiedError(Exception):
         self.local_rank = local_rank
 
 
+class StalledError(TimeoutError):
+    """A wait ran out of time; ``local_rank`` is the rank whose step never came."""
+
+    def __init__(self, local_rank: int) -> None:
+        """Record which local rank this rank waited on."""
+        super().__init__(f"local rank {local_rank} did not take its step in time")
+        self.local_rank = local_rank
+
+
 class AbortedError(Exception):
     """The wait was given up on: another rank failed, or the group was destroyed.
 
@@ -263,7 +272,7 @@ class Waiter:
         if not self._liveness.alive(counter.owner):
             raise PeerDiedError(counter.owner)
         if time.monotonic() >= deadline:
-            raise TimeoutError
+            raise StalledError(counter.owner)
 
     def wait(self, counter: Counter, target: int, deadline: float) -> None:
         """Return once ``counter`` is at least ``target``.
