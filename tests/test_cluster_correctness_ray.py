@@ -19,6 +19,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 import collective as col
+from tests import mixed_program
 from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,
@@ -90,7 +91,7 @@ def test_a_user_message_and_an_op_rooted_off_the_leader_stay_apart(
     actors: list[Any], group: str, op: str
 ) -> None:
     results = run_all(actors, _send_then_op, range(4), [group] * 4, [op] * 4)
-    for rank, (value, got) in enumerate(results):
+    for rank, (value, _) in enumerate(results):
         if op == "reduce":
             assert value == (42.0 + 1 + 3 + 4 if rank == 1 else rank + 1.0), results
         else:
@@ -140,8 +141,51 @@ def test_a_death_on_one_node_reaches_every_rank_on_the_other_at_once(actors: lis
     outcomes = ray.get(refs[:3], timeout=RAY_TIMEOUT_S)
     delays = [round(at - killed_at, 3) for at, _, _ in outcomes]
     print(f"\nnon-leader on node b killed; ranks 0, 1, 2 raised after {delays} s")
-    for at, kind, message in outcomes:
+    for _, kind, message in outcomes:
         assert kind == "CollectiveError", message
         assert name in message, message
     assert max(delays) < NOTICE_S, (delays, outcomes)
     run_all(ranks[:3], _destroy, [name] * 3)
+
+
+class ApiOps:
+    """A program's calls through the public API on one group."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def allreduce(self, x: np.ndarray, op: col.ReduceOp) -> None:
+        col.allreduce(x, self.name, op)
+
+    def reduce(self, x: np.ndarray, root: int, op: col.ReduceOp) -> None:
+        col.reduce(x, root, self.name, op)
+
+    def broadcast(self, x: np.ndarray, root: int) -> None:
+        col.broadcast(x, root, self.name)
+
+    def allgather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+        col.allgather(outs, x, self.name)
+
+    def reducescatter(self, out: np.ndarray, ins: list[np.ndarray], op: col.ReduceOp) -> None:
+        col.reducescatter(out, ins, self.name, op)
+
+    def barrier(self) -> None:
+        col.barrier(self.name)
+
+    def send(self, x: np.ndarray, dst: int) -> Any:
+        return col.send(x, dst, self.name, async_op=True)
+
+    def recv(self, x: np.ndarray, src: int) -> None:
+        col.recv(x, src, self.name)
+
+
+def _program(rank: int, name: str, seed: int) -> dict[int, Any]:
+    return mixed_program.run(ApiOps(name), rank, 4, mixed_program.make(seed, 4))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_random_mixed_program_matches_numpy_across_nodes(
+    actors: list[Any], group: str, seed: int
+) -> None:
+    results = run_all(actors, _program, range(4), [group] * 4, [seed] * 4)
+    mixed_program.check(mixed_program.make(seed, 4), results, 4)

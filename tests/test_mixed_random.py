@@ -1,0 +1,80 @@
+"""Random programs mixing user send/recv with collectives match numpy on every rank.
+
+Ranks are threads on a TCPStore (see ``test_shm.run_cpu``), on one node and on two
+faked nodes (the hierarchical path), with small slots so that long messages stream.
+The same programs run across two real Ray nodes in ``test_cluster_correctness_ray``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from collective.groups.cpu import CpuGroup
+from collective.types import (
+    AllGatherOptions,
+    AllReduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    RecvOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    SendOptions,
+)
+from tests import mixed_program
+from tests.test_shm import run_cpu
+
+SEEDS = int(os.environ.get("MIXED_SEEDS", "6"))
+
+
+class GroupOps:
+    """A program's calls on a ``CpuGroup``."""
+
+    def __init__(self, group: CpuGroup) -> None:
+        self.group = group
+
+    def allreduce(self, x: np.ndarray, op: ReduceOp) -> None:
+        self.group.allreduce([x], AllReduceOptions(op))
+
+    def reduce(self, x: np.ndarray, root: int, op: ReduceOp) -> None:
+        self.group.reduce([x], ReduceOptions(op, root_rank=root))
+
+    def broadcast(self, x: np.ndarray, root: int) -> None:
+        self.group.broadcast([x], BroadcastOptions(root_rank=root))
+
+    def allgather(self, outs: list[np.ndarray], x: np.ndarray) -> None:
+        self.group.allgather([outs], [x], AllGatherOptions())
+
+    def reducescatter(self, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp) -> None:
+        self.group.reducescatter([out], [ins], ReduceScatterOptions(op))
+
+    def barrier(self) -> None:
+        self.group.barrier(BarrierOptions())
+
+    def send(self, x: np.ndarray, dst: int) -> Any:
+        return self.group.send([x], SendOptions(dst, async_op=True))
+
+    def recv(self, x: np.ndarray, src: int) -> None:
+        self.group.recv([x], RecvOptions(src))
+
+
+@pytest.mark.parametrize(
+    ("world_size", "nodes"),
+    [(2, None), (4, None), (4, ["a", "a", "b", "b"]), (3, ["a", "b", "a"])],
+    ids=["2 ranks", "4 ranks", "2 nodes of 2", "2 nodes of 2 and 1"],
+)
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_a_random_mixed_program_matches_numpy(
+    seed: int, world_size: int, nodes: list[str] | None
+) -> None:
+    program = mixed_program.make(seed, world_size)
+
+    def fn(group: CpuGroup, rank: int) -> dict[int, Any]:
+        return mixed_program.run(GroupOps(group), rank, world_size, program)
+
+    results = run_cpu(world_size, fn, nodes=nodes, slot_bytes=1024)
+    mixed_program.check(program, results, world_size)
