@@ -20,7 +20,6 @@ import pytest
 
 import collective as col
 from collective import lifecycle
-from collective.groups.nccl_comm import encode_unique_id, unique_id_argument
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -36,13 +35,10 @@ from collective.types import (
     SendOptions,
 )
 from tests.nccl_binding import (
-    INVALID_ARGUMENT,
-    UNHANDLED_CUDA_ERROR,
     DeviceArray,
     Entry,
     group_blocks,
     real_nccl,
-    real_runtime,
 )
 from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
 
@@ -73,82 +69,6 @@ def nccl_dtype(dtype: str) -> int:
 def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
     with contract_ranks(monkeypatch) as make:
         yield make
-
-
-# --- the binding itself ------------------------------------------------------------------
-
-COMM = real_nccl.NcclCommunicator
-GOOD_ARGS: dict[str, tuple[Any, ...]] = {
-    "allReduce": (1 << 40, 1 << 40, 4, 7, 0, 0),
-    "reduce": (1 << 40, 1 << 40, 4, 7, 0, 0, 0),
-    "broadcast": (1 << 40, 1 << 40, 4, 7, 0, 0),
-    "bcast": (1 << 40, 4, 7, 0, 0),
-    "allGather": (1 << 40, 1 << 40, 4, 7, 0),
-    "reduceScatter": (1 << 40, 1 << 40, 4, 7, 0, 0),
-    "send": (1 << 40, 4, 7, 1, 0),
-    "recv": (1 << 40, 4, 7, 1, 0),
-    "check_async_error": (),
-    "device_id": (),
-    "rank_id": (),
-    "size": (),
-}
-
-
-def test_get_unique_id_round_trips_in_the_form_the_communicator_takes() -> None:
-    uid = real_nccl.get_unique_id()
-    shared = encode_unique_id(uid)
-    assert isinstance(shared, bytes) and len(shared) == 128
-    assert unique_id_argument(COMM, shared) == uid
-    with pytest.raises(real_nccl.NcclError) as info:
-        COMM(1, unique_id_argument(COMM, shared), 0)
-    assert info.value.status == UNHANDLED_CUDA_ERROR
-    other_form = tuple(shared) if isinstance(uid, bytes) else shared
-    with pytest.raises(TypeError, match="commId"):
-        COMM(1, other_form, 0)
-
-
-@pytest.mark.parametrize("method", sorted(GOOD_ARGS))
-def test_each_communicator_method_reaches_nccl_and_refuses_wrong_types(method: str) -> None:
-    comm = COMM.__new__(COMM)
-    with pytest.raises(real_nccl.NcclError) as info:
-        getattr(comm, method)(*GOOD_ARGS[method])
-    assert info.value.status == INVALID_ARGUMENT
-    with pytest.raises(TypeError):
-        getattr(comm, method)(*GOOD_ARGS[method], 0)
-    if GOOD_ARGS[method]:
-        with pytest.raises(TypeError):
-            getattr(comm, method)(*GOOD_ARGS[method][:-1], None)
-
-
-def test_abort_destroy_and_group_calls_reach_nccl() -> None:
-    comm = COMM.__new__(COMM)
-    comm.abort()
-    comm.destroy()
-    real_nccl.groupStart()
-    real_nccl.groupEnd()
-    with pytest.raises(real_nccl.NcclError):
-        real_nccl.groupEnd()
-
-
-@pytest.mark.parametrize(
-    ("name", "args"),
-    [
-        ("eventRecord", (0x10, 0x20)),
-        ("streamWaitEvent", (0x20, 0x10, 0)),
-        ("memcpyAsync", (1 << 40, 2 << 40, 64, D2D, 0x20)),
-        ("streamCreateWithFlags", (1,)),
-    ],
-)
-def test_each_runtime_call_reaches_cuda_and_refuses_wrong_types(
-    name: str, args: tuple[int, ...]
-) -> None:
-    with pytest.raises(real_runtime.CUDARuntimeError):
-        getattr(real_runtime, name)(*args)
-    with pytest.raises(TypeError):
-        getattr(real_runtime, name)(*args[:-1], None)
-
-
-# --- the backend's call sites ------------------------------------------------------------
 
 
 def op_calls(entries: list[Entry]) -> list[tuple[str, tuple[Any, ...]]]:

@@ -22,7 +22,6 @@ from collective.groups import nccl_comm
 from collective.types import AllGatherOptions, AllReduceOptions, CollectiveError
 from collective.types import CollectiveTimeoutError as Timeout
 from tests.nccl_binding import (
-    INVALID_ARGUMENT,
     NOT_READY,
     DeviceArray,
     Entry,
@@ -148,18 +147,6 @@ def test_a_call_that_fails_inside_a_group_discards_the_whole_group(
     ]
     assert r.groups[0].error is not None
     assert _aborted_comms(r) == [("abort", 0)]
-
-
-def test_nccl_drops_a_group_in_which_it_refused_a_call() -> None:
-    comm = real_nccl.NcclCommunicator.__new__(real_nccl.NcclCommunicator)
-    real_nccl.groupStart()
-    with pytest.raises(real_nccl.NcclError):
-        comm.send(0, 0, 0, 0, 0)
-    with pytest.raises(real_nccl.NcclError) as info:
-        real_nccl.groupEnd()
-    assert info.value.status == INVALID_ARGUMENT
-    real_nccl.groupStart()
-    real_nccl.groupEnd()
 
 
 def test_a_unique_id_the_binding_refuses_fails_the_op_and_the_group(
