@@ -25,6 +25,9 @@ setup(
             "sphinx>=7.2",
             "myst-parser>=2.0",
             "matplotlib>=3.7",
+            # the nccl_contract tests call cupy's real NCCL binding, without a GPU
+            "cupy-cuda12x>=13",
+            "nvidia-nccl-cu12>=2.21",
         ],
     },
 )

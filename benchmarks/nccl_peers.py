@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from benchmarks.nccl_ranks import RankContext
-from collective.groups.nccl_comm import cupy_module, decode_unique_id, encode_unique_id
+from collective.groups.nccl_comm import cupy_module, encode_unique_id, unique_id_argument
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -122,7 +122,7 @@ def setup(context: RankContext, group_name: str) -> dict[str, str]:
     key = f"{group_name}/raw-unique-id"
     if rank == 0:
         context.store.set(key, encode_unique_id(nccl.get_unique_id()))
-    uid = decode_unique_id(context.store.get(key, TIMEOUT))
+    uid = unique_id_argument(nccl.NcclCommunicator, context.store.get(key, TIMEOUT))
     state.comm = nccl.NcclCommunicator(n, uid, rank)
     try:
         import torch

@@ -4,7 +4,8 @@ allreduce, reduce and broadcast are one NCCL call per device. allgather and
 reducescatter are grouped broadcasts and reduces straight into the caller's
 buffers, so no staging buffer is allocated. gather, scatter, alltoall, send and
 recv come from ``nccl_p2p``; communicators, streams and launching from
-``nccl_base``.
+``nccl_base``. Each op builds its plan, the NCCL calls it makes with their
+arguments, which the launcher then issues as one NCCL group.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from collective.groups.nccl_base import Step
 from collective.groups.nccl_comm import NCCL_REDUCE_OPS, buffers_on, per_device
 from collective.groups.nccl_p2p import NcclPointToPoint
 from collective.types import (
@@ -35,11 +37,11 @@ class NCCLGroup(NcclPointToPoint):
         self.check_reduce_op(options.reduce_op, bufs[0].dtype)
         op = NCCL_REDUCE_OPS[options.reduce_op]
 
-        def call(i: int, comm: Any, stream: int) -> None:
+        def plan(i: int, comm: Any, stream: int) -> list[Step]:
             b = bufs[i]
-            comm.allReduce(b.ptr, b.ptr, b.count, b.nccl_dtype, op, stream)
+            return [(comm.allReduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, stream))]
 
-        return self._collective("allreduce", options, tensors, call, tensors)
+        return self._collective("allreduce", options, tensors, plan, tensors)
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier: a one-element allreduce."""
@@ -62,22 +64,22 @@ class NCCLGroup(NcclPointToPoint):
         op = NCCL_REDUCE_OPS[options.reduce_op]
         root = options.root_rank * len(bufs) + options.root_tensor
 
-        def call(i: int, comm: Any, stream: int) -> None:
+        def plan(i: int, comm: Any, stream: int) -> list[Step]:
             b = bufs[i]
-            comm.reduce(b.ptr, b.ptr, b.count, b.nccl_dtype, op, root, stream)
+            return [(comm.reduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, root, stream))]
 
-        return self._collective("reduce", options, tensors, call, tensors)
+        return self._collective("reduce", options, tensors, plan, tensors)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensors, in place."""
         bufs = per_device(tensors, "tensor_list")
         root = options.root_rank * len(bufs) + options.root_tensor
 
-        def call(i: int, comm: Any, stream: int) -> None:
+        def plan(i: int, comm: Any, stream: int) -> list[Step]:
             b = bufs[i]
-            comm.broadcast(b.ptr, b.ptr, b.count, b.nccl_dtype, root, stream)
+            return [(comm.broadcast, (b.ptr, b.ptr, b.count, b.nccl_dtype, root, stream))]
 
-        return self._collective("broadcast", options, tensors, call, tensors)
+        return self._collective("broadcast", options, tensors, plan, tensors)
 
     def allgather(
         self,
@@ -96,14 +98,18 @@ class NCCLGroup(NcclPointToPoint):
             for i in range(n)
         ]
 
-        def call(i: int, comm: Any, stream: int) -> None:
+        def plan(i: int, comm: Any, stream: int) -> list[Step]:
             me, b = self.rank * n + i, ins[i]
-            for j, out in enumerate(outs[i]):
-                source = b.ptr if j == me else out.ptr
-                comm.broadcast(source, out.ptr, b.count, b.nccl_dtype, j, stream)
+            return [
+                (
+                    comm.broadcast,
+                    (b.ptr if j == me else out.ptr, out.ptr, b.count, b.nccl_dtype, j, stream),
+                )
+                for j, out in enumerate(outs[i])
+            ]
 
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("allgather", options, tensors, call, [*tensors, *flat])
+        return self._collective("allgather", options, tensors, plan, [*tensors, *flat])
 
     def reducescatter(
         self,
@@ -126,10 +132,12 @@ class NCCLGroup(NcclPointToPoint):
             for i in range(n)
         ]
 
-        def call(i: int, comm: Any, stream: int) -> None:
+        def plan(i: int, comm: Any, stream: int) -> list[Step]:
             out = outs[i]
-            for j, source in enumerate(ins[i]):
-                comm.reduce(source.ptr, out.ptr, out.count, out.nccl_dtype, op, j, stream)
+            return [
+                (comm.reduce, (source.ptr, out.ptr, out.count, out.nccl_dtype, op, j, stream))
+                for j, source in enumerate(ins[i])
+            ]
 
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("reducescatter", options, tensors, call, [*tensors, *flat])
+        return self._collective("reducescatter", options, tensors, plan, [*tensors, *flat])

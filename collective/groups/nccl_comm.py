@@ -1,4 +1,4 @@
-"""NCCL plumbing for ``NCCLGroup``: cupy, unique-ID exchange, communicators and their Work.
+"""NCCL plumbing for ``NCCLGroup``: cupy, unique IDs, communicators and buffer lists.
 
 Nothing here imports cupy at module load; ``cupy_module`` does, on first use.
 """
@@ -8,12 +8,12 @@ from __future__ import annotations
 import functools
 import platform
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from collective import tensor
+from collective.groups.nccl_cuda import wait_events
 from collective.store import RendezvousStore
 from collective.tensor import CudaBuffer
 from collective.types import (
@@ -22,7 +22,6 @@ from collective.types import (
     CollectiveTimeoutError,
     ReduceOp,
 )
-from collective.work import OnceWork
 
 NCCL_REDUCE_OPS: dict[ReduceOp, int] = {
     ReduceOp.SUM: 0,
@@ -41,11 +40,11 @@ INSTALL_HINT = (
 )
 """What to install when cupy is missing."""
 
-_CHAR_IS_SIGNED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
-"""Whether C ``char`` is signed here; cupy hands unique IDs over as a tuple of chars."""
+NO_GPU_HINT = "give the actor num_gpus=1, or use backend='gloo' for CPU tensors"
+"""What to do when cupy is installed but sees no GPU."""
 
-_POLL_S = (0.0005, 0.01)
-"""First and longest sleep between two queries of an unfinished CUDA event."""
+_CHAR_IS_SIGNED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+"""Whether C ``char`` is signed here; cupy 13 hands unique IDs over as a tuple of chars."""
 
 
 @functools.cache
@@ -64,11 +63,14 @@ def _probe() -> tuple[Any, str]:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return None, f"the nccl backend is not available here: CUDA failed: {exc}"
+        return None, (
+            f"the nccl backend is not available here: no usable CUDA GPU in this process "
+            f"({exc}); {NO_GPU_HINT}"
+        )
     if count < 1:
         return None, (
             "the nccl backend is not available here: no CUDA GPU is visible in this process; "
-            "give the actor num_gpus=1, or use backend='gloo' for CPU tensors"
+            + NO_GPU_HINT
         )
     return cupy, ""
 
@@ -91,20 +93,52 @@ def cupy_module() -> Any:
     return cupy
 
 
-def encode_unique_id(uid: Sequence[int]) -> bytes:
-    """Return cupy's unique ID (a tuple of C chars) as the bytes stored for the other ranks."""
+def encode_unique_id(uid: bytes | Sequence[int]) -> bytes:
+    """Return the unique ID that cupy's ``get_unique_id`` made as the bytes the ranks share.
+
+    cupy 14 returns bytes; cupy 13 a tuple of C chars, negative where C's char is signed.
+    """
     if len(uid) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique ID has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+    if isinstance(uid, bytes):
+        return uid
     return bytes(b & 0xFF for b in uid)
 
 
-def decode_unique_id(data: bytes) -> tuple[int, ...]:
-    """Return stored unique-ID bytes as the tuple of C chars that cupy's communicator takes."""
-    if len(data) != UNIQUE_ID_BYTES:
-        raise ValueError(f"an NCCL unique ID has {UNIQUE_ID_BYTES} bytes, got {len(data)}")
+@functools.cache
+def _takes_bytes(communicator: Any) -> bool:
+    """Return whether ``communicator`` (cupy's ``NcclCommunicator``) takes the ID as bytes.
+
+    Asks the binding itself, on an uninitialised instance, with an empty ID that it
+    refuses before calling NCCL: cupy 14 (``bytes commId``) checks the length and
+    raises ValueError, cupy 13 (``tuple commId``) checks the type and raises TypeError.
+    """
+    probe = communicator.__new__(communicator)
+    try:
+        probe.__init__(1, b"", 0)
+    except ValueError:
+        return True
+    except TypeError:
+        return False
+    raise CollectiveError(
+        f"{communicator.__qualname__} accepted an empty NCCL unique ID; "
+        "this cupy's NCCL binding is not one collective knows"
+    )
+
+
+def unique_id_argument(communicator: Any, uid: bytes) -> bytes | tuple[int, ...]:
+    """Return the shared unique-ID bytes in the form ``communicator`` takes as ``commId``.
+
+    That is the bytes themselves for cupy 14 and later, and a tuple of C chars for
+    cupy 13, as the installed binding says (see ``_takes_bytes``).
+    """
+    if len(uid) != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique ID has {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+    if _takes_bytes(communicator):
+        return bytes(uid)
     if _CHAR_IS_SIGNED:
-        return tuple(b - 256 if b > 127 else b for b in data)
-    return tuple(data)
+        return tuple(b - 256 if b > 127 else b for b in uid)
+    return tuple(uid)
 
 
 def exchange_unique_id(
@@ -137,22 +171,27 @@ def exchange_unique_id(
 
 
 def create_communicators(
-    uid: bytes, world: int, ranks: Sequence[int], devices: Sequence[int], timeout: timedelta
+    cuda: Any,
+    uid: bytes,
+    world: int,
+    ranks: Sequence[int],
+    devices: Sequence[int],
+    timeout: timedelta,
 ) -> list[Any]:
     """Create one NCCL communicator per device, device i holding NCCL rank ``ranks[i]``.
 
-    The creation runs as one NCCL group call on a helper thread: cupy holds the GIL
-    while it initialises a communicator, but not in ``groupEnd``, where a grouped
-    initialisation waits for the peers. The caller waits at most ``timeout``.
+    ``cuda`` is cupy's CUDA namespace. The creation runs as one NCCL group call on a
+    helper thread: cupy holds the GIL while it initialises a communicator, but not in
+    ``groupEnd``, where a grouped initialisation waits for the peers. The caller waits
+    at most ``timeout``.
 
     Raises:
         TimeoutError: the peers did not all arrive within ``timeout``.
         RuntimeError: NCCL or CUDA failed.
 
     """
-    cupy = cupy_module()
-    nccl = cupy.cuda.nccl
-    commid = decode_unique_id(uid)
+    nccl = cuda.nccl
+    commid = unique_id_argument(nccl.NcclCommunicator, uid)
     outcome: dict[str, Any] = {}
 
     def body() -> None:
@@ -161,7 +200,7 @@ def create_communicators(
             nccl.groupStart()
             try:
                 for device, rank in zip(devices, ranks, strict=True):
-                    with cupy.cuda.Device(device):
+                    with cuda.Device(device):
                         comms.append(nccl.NcclCommunicator(world, commid, rank))
             finally:
                 nccl.groupEnd()
@@ -179,36 +218,35 @@ def create_communicators(
     return outcome["comms"]
 
 
-def wait_events(events: Sequence[Any], comms: Sequence[Any], timeout: timedelta) -> bool:
-    """Poll ``events`` until all have completed; return False if ``timeout`` passes first.
+def discard_group(nccl: Any) -> None:
+    """End the NCCL group call in progress so that NCCL launches none of its calls.
 
-    Raises:
-        RuntimeError: one of ``comms`` reports an asynchronous NCCL error.
-
+    A call that NCCL refuses inside a group makes ``groupEnd`` drop the whole group
+    and fail (NCCL 2.21 and later), so a send on an uninitialised communicator
+    discards what the group holds: peers never get half of an op. Errors are
+    swallowed; the caller raises its own.
     """
-    deadline = time.monotonic() + timeout.total_seconds()
-    pause = _POLL_S[0]
-    while not all(event.done for event in events):
-        for comm in comms:
-            comm.check_async_error()
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_S[1])
-    return True
+    try:
+        nccl.NcclCommunicator.__new__(nccl.NcclCommunicator).send(0, 0, 0, 0, 0)
+    except RuntimeError:
+        pass
+    try:
+        nccl.groupEnd()
+    except RuntimeError:
+        pass
 
 
 def release_communicators(
-    comms: Sequence[Any], events: Sequence[Any], healthy: bool, timeout: timedelta
-) -> None:
-    """Destroy ``comms`` once ``events`` complete, or abort them.
+    cuda: Any, comms: Sequence[Any], events: Sequence[Any], healthy: bool, timeout: timedelta
+) -> bool:
+    """Destroy ``comms`` once ``events`` complete, or abort them; return whether destroyed.
 
     A healthy group's running ops get ``timeout`` to finish. Communicators of an
     unhealthy group, or with ops that do not finish, are aborted, which never waits.
     """
     if healthy and events:
         try:
-            healthy = wait_events(events, comms, timeout)
+            healthy = wait_events(cuda, events, comms, timeout)
         except RuntimeError:
             healthy = False
     for comm in comms:
@@ -219,63 +257,7 @@ def release_communicators(
                 comm.abort()
         except RuntimeError:
             continue
-
-
-class NcclWork(OnceWork):
-    """An NCCL op in flight, tracked by a CUDA event on each comm stream it used.
-
-    ``wait`` polls the events up to a deadline, then calls ``finish``, which orders
-    the caller's current streams after them; ``finish`` holds the op's buffers.
-    """
-
-    def __init__(
-        self,
-        op: str,
-        events: Sequence[Any],
-        comms: Sequence[Any],
-        finish: Callable[[], None],
-        fail: Callable[[str, timedelta, BaseException], CollectiveError],
-        timeout: timedelta,
-    ) -> None:
-        """Track ``events`` of op ``op``; ``fail`` turns a failure into the group's error."""
-        super().__init__()
-        self._op = op
-        self._events = list(events)
-        self._comms = list(comms)
-        self._finish: Callable[[], None] | None = finish
-        self._fail = fail
-        self._op_timeout = timeout
-
-    def _complete(self, timeout: timedelta | None) -> None:
-        limit = timeout or self._op_timeout
-        try:
-            if not wait_events(self._events, self._comms, limit):
-                raise TimeoutError("the NCCL kernels did not finish")
-            for comm in self._comms:
-                comm.check_async_error()
-        except (RuntimeError, TimeoutError) as exc:
-            self._error = self._fail(self._op, limit, exc)
-        else:
-            if self._finish is not None:
-                self._finish()
-            self._finish = None
-
-    def is_completed(self) -> bool:
-        """Return whether the op has finished, successfully or not; never blocks."""
-        return self._done or self._error is not None or all(e.done for e in self._events)
-
-    def exception(self) -> BaseException | None:
-        """Return the op's failure once it has finished with one, else None."""
-        if self._error is not None:
-            return self._error
-        try:
-            for comm in self._comms:
-                comm.check_async_error()
-        except RuntimeError as exc:
-            with self._lock:
-                self._error = self._fail(self._op, self._op_timeout, exc)
-            return self._error
-        return None
+    return healthy
 
 
 def per_device(tensors: Sequence[Any], name: str) -> list[CudaBuffer]:

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective import tensor
-from collective.groups.nccl_base import NCCLGroupBase
+from collective.groups.nccl_base import NCCLGroupBase, Step
 from collective.groups.nccl_comm import buffers_on, per_device
 from collective.tensor import CudaBuffer
 from collective.types import (
@@ -31,18 +31,11 @@ _DEVICE_TO_DEVICE = 3
 class NcclPointToPoint(NCCLGroupBase):
     """The send/recv-based ops of ``NCCLGroup``, on the communicators and launcher of its base."""
 
-    def _pair_comm(
-        self, device: int, peer: int, peer_gpu: int, timeout: timedelta
-    ) -> tuple[Any, int]:
-        """Return the communicator of this endpoint and the peer's, and the peer's NCCL rank."""
-        me, other = (self.rank, device), (peer, peer_gpu)
-        low, high = sorted([me, other])
-        mine = 0 if me == low else 1
-        store_key = f"p2p/{low[0]}.{low[1]}-{high[0]}.{high[1]}"
-        comms = self._communicators(("p2p", low, high), store_key, [device], 2, [mine], timeout)
-        return comms[0], 1 - mine
-
     def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
+        """Send or receive on the communicator of this endpoint and the peer's.
+
+        The lower endpoint ``(rank, gpu index)`` of the pair is NCCL rank 0.
+        """
         self._check_usable(self._destroyed)
         if len(tensors) != 1:
             raise ArgumentValueError(f"{op} takes one tensor, got {len(tensors)}")
@@ -50,16 +43,19 @@ class NcclPointToPoint(NCCLGroupBase):
         count = options.n_elements or b.count
         if count > b.count:
             raise ArgumentValueError(f"n_elements must be at most {b.count}, got {count}")
-        timeout = options.timeout or self.timeout
-        try:
-            comm, peer_rank = self._pair_comm(b.device, peer, gpu, timeout)
-        except (RuntimeError, TimeoutError) as exc:
-            raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
+        me, other = (self.rank, b.device), (peer, gpu)
+        low, high = sorted([me, other])
+        mine = 0 if me == low else 1
+        store_key = f"p2p/{low[0]}.{low[1]}-{high[0]}.{high[1]}"
 
-        def call(_: int, comm: Any, stream: int) -> None:
-            getattr(comm, op)(b.ptr, count, b.nccl_dtype, peer_rank, stream)
+        def communicators(timeout: timedelta) -> list[Any]:
+            key = ("p2p", low, high)
+            return self._communicators(key, store_key, [b.device], 2, [mine], timeout)
 
-        return self._launch(op, options, tensors, [comm], call, tensors)
+        def plan(_: int, comm: Any, stream: int) -> list[Step]:
+            return [(getattr(comm, op), (b.ptr, count, b.nccl_dtype, 1 - mine, stream))]
+
+        return self._run(op, options, tensors, communicators, plan, tensors)
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Send the tensor (or its first ``n_elements``) to GPU ``dst_gpu_index`` of the peer."""
@@ -69,8 +65,10 @@ class NcclPointToPoint(NCCLGroupBase):
         """Receive into the tensor, in place, from GPU ``src_gpu_index`` of the peer."""
         return self._p2p("recv", tensors, options, options.src_rank, options.src_gpu_index)
 
-    def _copy(self, dst: CudaBuffer, src: CudaBuffer, stream: int) -> None:
-        self._cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, src.nbytes, _DEVICE_TO_DEVICE, stream)
+    def _copy(self, dst: CudaBuffer, src: CudaBuffer, stream: int) -> Step:
+        """Return the plan step that copies ``src`` into ``dst`` on ``stream``."""
+        memcpy = self._cuda.runtime.memcpyAsync
+        return (memcpy, (dst.ptr, src.ptr, src.nbytes, _DEVICE_TO_DEVICE, stream))
 
     def gather(
         self,
@@ -84,18 +82,18 @@ class NcclPointToPoint(NCCLGroupBase):
         length = self.world_size if on_root else 0
         outs = buffers_on(tensor_lists[0] if tensor_lists else [], "gather_list", source, length)
 
-        def call(_: int, comm: Any, stream: int) -> None:
+        def plan(_: int, comm: Any, stream: int) -> list[Step]:
             if not on_root:
-                comm.send(source.ptr, source.count, source.nccl_dtype, root, stream)
-                return
-            for j, out in enumerate(outs):
-                if j == root:
-                    self._copy(out, source, stream)
-                else:
-                    comm.recv(out.ptr, out.count, out.nccl_dtype, j, stream)
+                return [(comm.send, (source.ptr, source.count, source.nccl_dtype, root, stream))]
+            return [
+                self._copy(out, source, stream)
+                if j == root
+                else (comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream))
+                for j, out in enumerate(outs)
+            ]
 
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("gather", options, tensors, call, [*tensors, *flat])
+        return self._collective("gather", options, tensors, plan, [*tensors, *flat])
 
     def scatter(
         self,
@@ -109,18 +107,18 @@ class NcclPointToPoint(NCCLGroupBase):
         length = self.world_size if on_root else 0
         ins = buffers_on(tensor_lists[0] if tensor_lists else [], "scatter_list", out, length)
 
-        def call(_: int, comm: Any, stream: int) -> None:
+        def plan(_: int, comm: Any, stream: int) -> list[Step]:
             if not on_root:
-                comm.recv(out.ptr, out.count, out.nccl_dtype, root, stream)
-                return
-            for j, source in enumerate(ins):
-                if j == root:
-                    self._copy(out, source, stream)
-                else:
-                    comm.send(source.ptr, source.count, source.nccl_dtype, j, stream)
+                return [(comm.recv, (out.ptr, out.count, out.nccl_dtype, root, stream))]
+            return [
+                self._copy(out, source, stream)
+                if j == root
+                else (comm.send, (source.ptr, source.count, source.nccl_dtype, j, stream))
+                for j, source in enumerate(ins)
+            ]
 
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("scatter", options, tensors, call, [*tensors, *flat])
+        return self._collective("scatter", options, tensors, plan, [*tensors, *flat])
 
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
@@ -142,12 +140,14 @@ class NcclPointToPoint(NCCLGroupBase):
                 f"must hold as many elements, got {outs[me].count} and {ins[me].count}"
             )
 
-        def call(_: int, comm: Any, stream: int) -> None:
+        def plan(_: int, comm: Any, stream: int) -> list[Step]:
+            steps = []
             for j, (out, source) in enumerate(zip(outs, ins, strict=True)):
                 if j == me:
-                    self._copy(out, source, stream)
+                    steps.append(self._copy(out, source, stream))
                     continue
-                comm.send(source.ptr, source.count, source.nccl_dtype, j, stream)
-                comm.recv(out.ptr, out.count, out.nccl_dtype, j, stream)
+                steps.append((comm.send, (source.ptr, source.count, source.nccl_dtype, j, stream)))
+                steps.append((comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream)))
+            return steps
 
-        return self._collective("alltoall", options, [outputs[0]], call, [*outputs, *inputs])
+        return self._collective("alltoall", options, [outputs[0]], plan, [*outputs, *inputs])

@@ -101,23 +101,35 @@ def current_stream(x: Any) -> int:
         return int(cupy.cuda.get_current_stream().ptr)
 
 
+_TORCH_STREAMS: dict[tuple[int, int], Any] = {}
+"""torch's wrapper of each stream handle ``record_stream`` has seen, by (handle, device)."""
+
+
 def record_stream(x: Any, stream: int) -> None:
     """Tell torch's caching allocator that ``stream`` uses ``x``, so it is not reused early.
 
-    Cupy arrays need no record: the group holds a reference to them until the work
-    on ``stream`` has finished.
+    torch records an event on ``stream`` when the block of ``x`` is freed, which may
+    be at any later time, so ``stream`` must never be destroyed (the nccl backend's
+    comm streams never are). That is also why torch's wrapper of each handle is made
+    once and kept. Cupy arrays need no record: the group holds a reference to them
+    until the work on ``stream`` has finished.
     """
     if is_torch(x):
-        import torch
+        key = (stream, x.device.index)
+        wrapper = _TORCH_STREAMS.get(key)
+        if wrapper is None:
+            import torch
 
-        x.record_stream(torch.cuda.ExternalStream(stream, device=x.device))
+            wrapper = torch.cuda.ExternalStream(stream, device=x.device)
+            wrapper = _TORCH_STREAMS.setdefault(key, wrapper)
+        x.record_stream(wrapper)
 
 
 def synchronize_device(gpu_id: int) -> None:
     """Block until all work queued on GPU ``gpu_id`` has finished.
 
     Raises:
-        CollectiveError: neither cupy nor torch with CUDA is installed.
+        CollectiveError: neither cupy nor torch with CUDA is installed, or CUDA fails.
 
     """
     try:
@@ -125,7 +137,13 @@ def synchronize_device(gpu_id: int) -> None:
     except ImportError:
         cupy = None
     if cupy is not None:
-        cupy.cuda.Device(gpu_id).synchronize()
+        try:
+            cupy.cuda.Device(gpu_id).synchronize()
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise CollectiveError(
+                f"synchronize({gpu_id}) failed: {exc}; it needs a CUDA GPU in this process "
+                '(give the actor num_gpus=1) and cupy: pip install "collective[nccl]"'
+            ) from exc
         return
     try:
         import torch

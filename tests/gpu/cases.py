@@ -292,6 +292,15 @@ def send_recv_on_rank(context: RankContext, kind: str) -> np.ndarray:
     return host(x)
 
 
+def wait_outcome(work: Any, timeout: timedelta) -> tuple[str, str]:
+    """Wait for ``work``; return its failure's type and message, or ("", "the wait returned")."""
+    try:
+        work.wait(timeout)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "", "the wait returned"
+
+
 def time_out_on_rank(context: RankContext, busy_cycles: int) -> tuple[str, str, bool, str]:
     """Wait 50 ms for an allreduce queued behind ``busy_cycles`` of GPU work; report the outcome.
 
@@ -307,12 +316,7 @@ def time_out_on_rank(context: RankContext, busy_cycles: int) -> tuple[str, str, 
     torch.cuda.synchronize(0)
     torch.cuda._sleep(busy_cycles)
     work = group.allreduce([x], AllReduceOptions(async_op=True))
-    try:
-        work.wait(timedelta(milliseconds=50))
-    except Exception as exc:
-        error, message = type(exc).__name__, str(exc)
-    else:
-        error, message = "", "the wait returned"
+    error, message = wait_outcome(work, timedelta(milliseconds=50))
     try:
         group.allreduce([x], AllReduceOptions())
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""NCCLGroup's stream semantics on one GPU: ordering, async handles, early frees, timeouts.
+"""NCCLGroup's stream semantics on one GPU: ordering, async handles, frees, timeouts, errors.
 
 Each test keeps the GPU busy on the caller's current stream (torch's ``_sleep``) before
 and around the op, so that an op that ignored the caller's stream, or a result read
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from collective.types import AllGatherOptions, AllReduceOptions
-from tests.gpu import cases
+from tests.gpu import cases, faults
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,3 +125,23 @@ def test_a_timed_out_wait_raises_and_leaves_the_group_unusable() -> None:
     assert "allreduce" in message
     assert broken
     assert "unusable" in refusal
+
+
+def test_a_torch_tensor_freed_after_its_group_is_destroyed_is_freed_cleanly() -> None:
+    """In a rank process of its own: torch records on the comm stream when the block is freed."""
+    from benchmarks.nccl_ranks import RankPool
+
+    with RankPool(1, timeout=timedelta(seconds=120)) as pool:
+        trouble = pool.run(faults.free_after_destroy_on_rank)[0]
+    assert trouble == []
+
+
+def test_a_device_side_error_fails_the_wait_at_once_not_after_its_timeout() -> None:
+    """In a rank process of its own, as the error ruins the process's CUDA context."""
+    from benchmarks.nccl_ranks import RankPool
+
+    with RankPool(1, timeout=timedelta(seconds=120)) as pool:
+        error, message, took, broken = pool.run(faults.device_error_on_rank, BUSY_CYCLES * 10)[0]
+    assert error == "CollectiveError", message
+    assert took < 30, f"the wait took {took:.1f} s of its 60 s: {message}"
+    assert broken

@@ -1,0 +1,335 @@
+"""Every NCCL call the nccl backend makes, checked against cupy's real binding, without a GPU.
+
+The real ``cupy-cuda12x`` and ``nvidia-nccl-cu12`` are installed with the test extras.
+First the binding itself: the unique ID, and each communicator method on an
+uninitialised communicator, which reaches NCCL with the right argument types and
+raises TypeError with wrong ones. Then the backend's own call sites, every op at world
+size 3, the multigpu functions, send/recv, barrier, destroy: each rank runs in a
+thread on a ``ContractCupy`` (see ``tests/nccl_binding.py``), the real binding checks
+the types of what it is handed, and these tests check the values, call by call, from
+the buffers' own addresses, sizes and dtypes and from cupy's NCCL constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import collective as col
+from collective import lifecycle
+from collective.types import (
+    AllGatherOptions,
+    AllReduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    RecvOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+    SendOptions,
+)
+from tests.nccl_binding import (
+    DeviceArray,
+    Entry,
+    group_blocks,
+    real_nccl,
+)
+from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
+
+pytestmark = CONTRACT
+
+SHAPE = (4, 8)
+COUNT = 32
+D2D = 3
+"""``cudaMemcpyDeviceToDevice``."""
+NCCL_OPS = ("allReduce", "reduce", "broadcast", "bcast", "allGather", "reduceScatter")
+CALLS = (*NCCL_OPS, "send", "recv", "memcpyAsync")
+DTYPES = ("int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+REDUCTIONS = {
+    ReduceOp.SUM: real_nccl.NCCL_SUM,
+    ReduceOp.PRODUCT: real_nccl.NCCL_PROD,
+    ReduceOp.MAX: real_nccl.NCCL_MAX,
+    ReduceOp.MIN: real_nccl.NCCL_MIN,
+    ReduceOp.AVG: real_nccl.NCCL_AVG,
+}
+
+
+def nccl_dtype(dtype: str) -> int:
+    """Return cupy's ``NCCL_<DTYPE>`` constant: the number the binding hands NCCL."""
+    return int(getattr(real_nccl, f"NCCL_{dtype.upper()}"))
+
+
+@pytest.fixture
+def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
+    with contract_ranks(monkeypatch) as make:
+        yield make
+
+
+def op_calls(entries: list[Entry]) -> list[tuple[str, tuple[Any, ...]]]:
+    """Return the NCCL calls and copies of the one group call in ``entries``."""
+    blocks = [b for b in group_blocks(entries) if any(e.name in CALLS for e in b)]
+    assert len(blocks) == 1, f"expected one NCCL group call, got {len(blocks)}"
+    return [(e.name, e.args) for e in blocks[0] if e.name in CALLS]
+
+
+def check_devices(ranks: Ranks) -> None:
+    """Assert that every call ran on its communicator's device and that device's stream."""
+    for cupy in ranks.cupys:
+        streams = cupy.streams()
+        for e in cupy.trace.named(*CALLS):
+            device = e.comm.device if e.comm is not None else e.device
+            assert e.device == device, f"{e.name} issued on GPU {e.device}, its comm is on {device}"
+            assert e.args[-1] == streams[device or 0], f"{e.name} not on GPU {device}'s stream"
+
+
+def bufs(n: int, dtype: str, counts: list[int] | None = None) -> list[DeviceArray]:
+    return [DeviceArray((c,), dtype) for c in (counts or [COUNT] * n)]
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype"),
+    [(op, t) for op in REDUCTIONS for t in DTYPES if op is not ReduceOp.AVG or "int" not in t],
+    ids=str,
+)
+def test_allreduce_passes_buffer_count_dtype_and_op(
+    ranks: Callable[..., Ranks], op: ReduceOp, dtype: str
+) -> None:
+    r = ranks(1)
+    x = DeviceArray(SHAPE, dtype)
+    r.run(lambda _, g: g.allreduce([x], AllReduceOptions(op)))
+    stream = r.cupys[0].streams()[0]
+    expected = ("allReduce", (x.ptr, x.ptr, COUNT, nccl_dtype(dtype), REDUCTIONS[op], stream))
+    assert op_calls(r.cupys[0].trace.entries) == [expected]
+    check_devices(r)
+
+
+def test_communicators_form_from_rank_0s_unique_id(ranks: Callable[..., Ranks]) -> None:
+    r = ranks(3)
+    r.run(lambda rank, g: g.allreduce([DeviceArray(SHAPE, "float32")], AllReduceOptions()))
+    made = r.cupys[0].trace.named("get_unique_id")
+    assert len(made) == 1 and not any(c.trace.named("get_unique_id") for c in r.cupys[1:])
+    uid = made[0].args[0]
+    for rank, cupy in enumerate(r.cupys):
+        inits = cupy.trace.named("NcclCommunicator")
+        assert [e.args for e in inits] == [(3, uid, rank)]
+        assert inits[0].device == 0
+        block = next(b for b in group_blocks(cupy.trace.entries) if inits[0] in b)
+        assert block[0].thread == inits[0].thread == block[-1].thread
+
+
+def _issue(op: str, rank: int, g: Any, dtype: str) -> list[tuple[str, tuple[Any, ...]]]:
+    """Issue ``op`` on this rank with fresh buffers; return the calls it must make."""
+    n, d = g.world_size, nccl_dtype(dtype)
+    x, outs, ins = DeviceArray(SHAPE, dtype), bufs(n, dtype), bufs(n, dtype)
+    stream = g._streams[0]
+    nbytes = x.size * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
+    if op == "reduce":
+        g.reduce([x], ReduceOptions(ReduceOp.MAX, root_rank=1))
+        return [("reduce", (x.ptr, x.ptr, COUNT, d, REDUCTIONS[ReduceOp.MAX], 1, stream))]
+    if op == "broadcast":
+        g.broadcast([x], BroadcastOptions(root_rank=2))
+        return [("broadcast", (x.ptr, x.ptr, COUNT, d, 2, stream))]
+    if op == "allgather":
+        g.allgather([outs], [x], AllGatherOptions())
+        return [
+            ("broadcast", (x.ptr if j == rank else o.ptr, o.ptr, COUNT, d, j, stream))
+            for j, o in enumerate(outs)
+        ]
+    if op == "reducescatter":
+        g.reducescatter([x], [ins], ReduceScatterOptions(ReduceOp.MIN))
+        return [
+            ("reduce", (i.ptr, x.ptr, COUNT, d, REDUCTIONS[ReduceOp.MIN], j, stream))
+            for j, i in enumerate(ins)
+        ]
+    if op == "gather":
+        g.gather([outs if rank == 1 else []], [x], GatherOptions(root_rank=1))
+        if rank != 1:
+            return [("send", (x.ptr, COUNT, d, 1, stream))]
+        return [
+            ("memcpyAsync", (o.ptr, x.ptr, nbytes, D2D, stream))
+            if j == 1
+            else ("recv", (o.ptr, COUNT, d, j, stream))
+            for j, o in enumerate(outs)
+        ]
+    if op == "scatter":
+        g.scatter([x], [ins if rank == 1 else []], ScatterOptions(root_rank=1))
+        if rank != 1:
+            return [("recv", (x.ptr, COUNT, d, 1, stream))]
+        return [
+            ("memcpyAsync", (x.ptr, i.ptr, nbytes, D2D, stream))
+            if j == 1
+            else ("send", (i.ptr, COUNT, d, j, stream))
+            for j, i in enumerate(ins)
+        ]
+    assert op == "alltoall"
+    # rank r sends 8 * (j + 1) elements to rank j, so it receives 8 * (r + 1) from each
+    sent = bufs(n, dtype, [8 * (j + 1) for j in range(n)])
+    got = bufs(n, dtype, [8 * (rank + 1)] * n)
+    g.alltoall(got, sent, AllToAllOptions())
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    for j in range(n):
+        if j == rank:
+            size = sent[j].size * nbytes // COUNT
+            calls.append(("memcpyAsync", (got[j].ptr, sent[j].ptr, size, D2D, stream)))
+        else:
+            calls.append(("send", (sent[j].ptr, 8 * (j + 1), d, j, stream)))
+            calls.append(("recv", (got[j].ptr, 8 * (rank + 1), d, j, stream)))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int64"])
+@pytest.mark.parametrize(
+    "op", ["reduce", "broadcast", "allgather", "reducescatter", "gather", "scatter", "alltoall"]
+)
+def test_each_op_makes_its_nccl_calls_on_every_rank(
+    ranks: Callable[..., Ranks], op: str, dtype: str
+) -> None:
+    r = ranks(3)
+    r.run(lambda _, g: g.allreduce([DeviceArray(SHAPE, dtype)], AllReduceOptions()))
+    r.clear()
+    expected = r.run(lambda rank, g: _issue(op, rank, g, dtype))
+    for rank, cupy in enumerate(r.cupys):
+        assert op_calls(cupy.trace.entries) == expected[rank], f"rank {rank}"
+    check_devices(r)
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+def test_an_op_follows_the_callers_stream_and_the_caller_follows_it(
+    ranks: Callable[..., Ranks], async_op: bool
+) -> None:
+    r = ranks(1)
+    x = DeviceArray(SHAPE, "float32")
+    r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
+    r.clear()
+    work = r.run(lambda _, g: g.allreduce([x], AllReduceOptions(async_op=async_op)))[0]
+    if async_op:
+        work.wait()
+    trace = r.cupys[0].trace.entries
+    names = [e.name for e in trace if e.name != "eventQuery" and e.name != "check_async_error"]
+    assert names == [
+        "eventRecord",
+        "streamWaitEvent",
+        "groupStart",
+        "allReduce",
+        "groupEnd",
+        "eventRecord",
+        "streamWaitEvent",
+    ]
+    caller, stream = caller_stream(0), r.cupys[0].streams()[0]
+    ready, follow, _, _, _, done, after = [e for e in trace if e.name in names]
+    assert ready.args[1] == caller and follow.args[:2] == (stream, ready.args[0])
+    assert done.args[1] == stream and after.args[:2] == (caller, done.args[0])
+    if async_op:  # the wait polled the op's event before ordering the caller after it
+        between = trace[trace.index(done) : trace.index(after)]
+        polled = [e.args[0] for e in between if e.name == "eventQuery"]
+        assert polled[-1:] == [done.args[0]]
+
+
+def test_send_and_recv_use_a_pair_communicator_and_n_elements(
+    ranks: Callable[..., Ranks],
+) -> None:
+    r = ranks(2)
+    x = [DeviceArray(SHAPE, "int32"), DeviceArray(SHAPE, "int32")]
+
+    def pair(rank: int, g: Any) -> None:
+        if rank == 0:
+            g.send([x[0]], SendOptions(dst_rank=1, dst_gpu_index=0))
+        else:
+            g.recv([x[1]], RecvOptions(src_rank=0, src_gpu_index=0, n_elements=5))
+
+    r.run(pair)
+    d = nccl_dtype("int32")
+    sends = r.cupys[0].trace.named("NcclCommunicator", "send")
+    recvs = r.cupys[1].trace.named("NcclCommunicator", "recv")
+    uid = r.cupys[0].trace.named("get_unique_id")[0].args[0]
+    s0, s1 = r.cupys[0].streams()[0], r.cupys[1].streams()[0]
+    assert [(e.name, e.args) for e in sends] == [
+        ("NcclCommunicator", (2, uid, 0)),
+        ("send", (x[0].ptr, COUNT, d, 1, s0)),
+    ]
+    assert [(e.name, e.args) for e in recvs] == [
+        ("NcclCommunicator", (2, uid, 1)),
+        ("recv", (x[1].ptr, 5, d, 0, s1)),
+    ]
+    check_devices(r)
+
+
+def test_a_rank_driving_two_gpus_holds_nccl_ranks_2r_and_2r_plus_1(
+    ranks: Callable[..., Ranks],
+) -> None:
+    r = ranks(2)
+    xs = [[DeviceArray(SHAPE, "float32", device=i) for i in range(2)] for _ in range(2)]
+    r.run(lambda rank, g: g.allreduce(xs[rank], AllReduceOptions()))
+    for rank, cupy in enumerate(r.cupys):
+        inits = cupy.trace.named("NcclCommunicator")
+        assert [(e.args[0], e.args[2], e.device) for e in inits] == [
+            (4, 2 * rank, 0),
+            (4, 2 * rank + 1, 1),
+        ]
+        streams = cupy.streams()
+        assert sorted(streams) == [0, 1] and streams[0] != streams[1]
+        calls = [(e.args, e.device) for e in cupy.trace.named("allReduce")]
+        assert calls == [
+            ((x.ptr, x.ptr, COUNT, nccl_dtype("float32"), 0, streams[i]), i)
+            for i, x in enumerate(xs[rank])
+        ]
+    check_devices(r)
+
+
+def test_multigpu_functions_with_two_gpus(ranks: Callable[..., Ranks]) -> None:
+    r = ranks(1)
+    name, g = r.name, r.groups[0]
+    lifecycle.create_group(name, lambda: (g, None))
+    try:
+        a = [DeviceArray(SHAPE, "float64", device=i) for i in range(2)]
+        outs = [[DeviceArray(SHAPE, "float64", device=i) for _ in range(2)] for i in range(2)]
+
+        def calls() -> list[tuple[str, tuple[Any, ...]]]:
+            entries = list(r.cupys[0].trace.entries)
+            r.clear()
+            return op_calls(entries)
+
+        r.run(lambda *_: col.allreduce_multigpu(a, name, op="max"))
+        s, d = r.cupys[0].streams(), nccl_dtype("float64")
+        assert calls() == [
+            ("allReduce", (x.ptr, x.ptr, COUNT, d, 2, s[i])) for i, x in enumerate(a)
+        ]
+        r.run(lambda *_: col.reduce_multigpu(a, 0, 1, name))
+        assert calls() == [
+            ("reduce", (x.ptr, x.ptr, COUNT, d, 0, 1, s[i])) for i, x in enumerate(a)
+        ]
+        r.run(lambda *_: col.broadcast_multigpu(a, 0, 1, name))
+        assert calls() == [
+            ("broadcast", (x.ptr, x.ptr, COUNT, d, 1, s[i])) for i, x in enumerate(a)
+        ]
+        r.run(lambda *_: col.allgather_multigpu(outs, a, name))
+        assert calls() == [
+            ("broadcast", (a[i].ptr if j == i else o.ptr, o.ptr, COUNT, d, j, s[i]))
+            for i in range(2)
+            for j, o in enumerate(outs[i])
+        ]
+        r.run(lambda *_: col.reducescatter_multigpu(a, outs, name))
+        assert calls() == [
+            ("reduce", (o.ptr, a[i].ptr, COUNT, d, 0, j, s[i]))
+            for i in range(2)
+            for j, o in enumerate(outs[i])
+        ]
+        check_devices(r)
+    finally:
+        col.destroy_collective_group(name)
+
+
+def test_barrier_allreduces_one_int32_and_blocks_until_done(ranks: Callable[..., Ranks]) -> None:
+    r = ranks(2)
+    r.run(lambda _, g: g.barrier(BarrierOptions()))
+    for cupy in r.cupys:
+        (call,) = cupy.trace.named("allReduce")
+        assert call.args[2:5] == (1, nccl_dtype("int32"), real_nccl.NCCL_SUM)
+        done = [e for e in cupy.trace.named("eventRecord") if e.args[1] == cupy.streams()[0]]
+        assert [e.args[0] for e in cupy.trace.named("eventQuery")] == [done[-1].args[0]]
