@@ -10,6 +10,12 @@ from collective.api import (
     reducescatter,
     send,
 )
+from collective.elastic import (
+    grow_declared_group,
+    grow_group,
+    shrink_declared_group,
+    shrink_group,
+)
 from collective.exchange import alltoall, alltoall_single, gather, scatter
 from collective.groups.base import BaseGroup
 from collective.lifecycle import (
@@ -86,6 +92,8 @@ __all__ = [
     "get_group_handle",
     "get_rank",
     "gloo_available",
+    "grow_declared_group",
+    "grow_group",
     "init_collective_group",
     "is_backend_available",
     "is_group_initialized",
@@ -102,5 +110,7 @@ __all__ = [
     "scatter",
     "send",
     "send_multigpu",
+    "shrink_declared_group",
+    "shrink_group",
     "synchronize",
 ]

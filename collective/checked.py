@@ -281,3 +281,8 @@ class CheckedGroup(BaseGroup):
     def destroy_group(self) -> None:
         """Destroy the wrapped group."""
         self._inner.destroy_group()
+
+    def retire(self, reason: str) -> None:
+        """Retire the wrapped group (see ``BaseGroup.retire``)."""
+        super().abort(reason)
+        self._inner.retire(reason)

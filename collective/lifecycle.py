@@ -34,7 +34,8 @@ def _ray() -> Any:
     return ray
 
 
-def _in_ray_worker() -> bool:
+def in_ray_worker() -> bool:
+    """Return whether this process is a Ray worker (an actor or a task), not a driver."""
     ray = _ray()
     return ray.is_initialized() and ray._private.worker.global_worker.mode == ray.WORKER_MODE
 
@@ -50,7 +51,7 @@ def node_ip() -> str:
 
 
 def _require_ray_worker(function: str) -> None:
-    if not _in_ray_worker():
+    if not in_ray_worker():
         raise CollectiveError(f"{function} must be called inside a Ray actor or task")
 
 
@@ -100,6 +101,21 @@ def create_group(group_name: str, build: Callable[[], tuple[BaseGroup, Any]]) ->
     _manager.create(group_name, build)
 
 
+def replace_group(group_name: str, group: BaseGroup, store: Any) -> None:
+    """Make ``group`` (with its rendezvous ``store``) this process's group ``group_name``."""
+    _manager.replace(group_name, (group, store))
+
+
+def forget(group_name: str) -> None:
+    """Drop this process's group ``group_name`` without closing it (it is closed already)."""
+    _manager.remove(group_name)
+
+
+def end_subgroups(incarnation: str, reason: str) -> list[str]:
+    """End this process's subgroups made from parent ``incarnation``; their next op says why."""
+    return _manager.end_incarnation(incarnation, reason, keep="")
+
+
 def close_ended(group_name: str) -> str | None:
     """Close this process's copy of ``group_name`` if its driver ended it; return why it ended."""
     entry, reason = _manager.take_ended(group_name)
@@ -110,7 +126,7 @@ def close_ended(group_name: str) -> str | None:
 
 def declared_rank(group_name: str) -> tuple[Declaration, int] | None:
     """Return the declaration of ``group_name`` and this actor's rank in it, or None."""
-    if not _in_ray_worker():
+    if not in_ray_worker():
         return None
     declaration = rendezvous.declaration(group_name)
     actor_id = _ray().get_runtime_context().get_actor_id()
@@ -333,7 +349,7 @@ def destroy_collective_group(group_name: str = "default") -> None:
             rendezvous.leave_store(store, group.rank)
         return
     ray = _ray()
-    if ray.is_initialized() and not _in_ray_worker():
+    if ray.is_initialized() and not in_ray_worker():
         rendezvous.end_group(group_name)
 
 
@@ -347,6 +363,6 @@ def destroy_all_collective_groups() -> None:
     for name in _manager.names():
         destroy_collective_group(name)
     ray = _ray()
-    if ray.is_initialized() and not _in_ray_worker():
+    if ray.is_initialized() and not in_ray_worker():
         for name in rendezvous.list_groups():
             destroy_collective_group(name)

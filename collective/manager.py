@@ -102,6 +102,28 @@ class GroupManager:
             ended = self._ended.pop(name, (None, ""))[0]
             return self._groups.pop(name, None) or ended
 
+    def replace(self, name: str, entry: Entry) -> None:
+        """Make ``entry`` the group called ``name``, in place of what held the name."""
+        with self._lock:
+            self._ended.pop(name, None)
+            self._ending.pop(name, None)
+            self._groups[name] = entry
+
+    def end_incarnation(self, incarnation: str, reason: str, keep: str) -> list[str]:
+        """Move aside every group of ``incarnation`` but ``keep`` (a parent's subgroups).
+
+        Returns:
+            The names moved aside; their next lookup raises with ``reason``.
+
+        """
+        with self._lock:
+            names = [
+                n for n, e in self._groups.items() if n != keep and _incarnation(e) == incarnation
+            ]
+            for name in names:
+                self._ended[name] = (self._groups.pop(name), reason)
+        return names
+
     def end(self, name: str, incarnation: str, reason: str) -> None:
         """Move the group ``name`` aside if it is ``incarnation``, which its driver ended.
 

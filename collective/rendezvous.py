@@ -33,6 +33,7 @@ __all__ = [
     "leave_store",
     "list_groups",
     "missing_ranks_detail",
+    "redeclare",
     "set_end_handler",
 ]
 
@@ -165,6 +166,21 @@ def end_group(group_name: str) -> str:
 
     job_id = ray.get_runtime_context().get_job_id()
     return _query("end", group_name, job_id, default="absent", group=group_name, timeout_s=30.0)
+
+
+def redeclare(group_name: str, drop: list[str], add: list[str]) -> tuple[str, Any]:
+    """Declare ``group_name`` anew without the actors ``drop`` (and the dead), ``add`` after.
+
+    Returns:
+        The store actor's answer: ``("ok", {actor id: rank})``, ``("absent", None)``,
+        ``("not_allowed", None)`` or ``("error", why)``.
+
+    """
+    import ray
+
+    job_id = ray.get_runtime_context().get_job_id()
+    args = (group_name, job_id, drop, add)
+    return _query("redeclare", *args, default=("absent", None), group=group_name, timeout_s=30.0)
 
 
 def _query(method: str, *args: Any, default: Any, group: str = "", timeout_s: float = 5.0) -> Any:

@@ -19,14 +19,17 @@ from collections import OrderedDict
 from typing import Any
 
 from collective import liveness
+from collective import store_reshape as reshape
 from collective.groups.watch import abort_key
 from collective.liveness import Member
+from collective.store_elastic import ElasticMethods
 from collective.store_state import (
     Declaration,
     GroupState,
     Incarnation,
     Listener,
     wait_event,
+    wait_first,
 )
 
 __all__ = ["ACK_WAIT_S", "IDLE_GRACE_S", "STORE_ACTOR_NAME", "SWEEP_S", "Declaration", "StoreActor"]
@@ -50,7 +53,7 @@ _LISTENER_QUIET_S = 300.0
 """A member process that has not listened for this long is forgotten (it is gone)."""
 
 
-class StoreActor:
+class StoreActor(ElasticMethods):
     """The named detached actor behind every group of one namespace.
 
     Errors are returned as status strings rather than raised, so that callers
@@ -120,10 +123,14 @@ class StoreActor:
                 if declared:
                     return "error", "it is no longer declared: the driver destroyed it"
                 group = self._groups[name] = GroupState(None, set(), Incarnation())
+            change = None if declared else reshape.newcomer(group, rank, world_size, member)
+            if change is not None:
+                status, outcome = await self._reshaped(name, group, change, deadline)
+                return (status, outcome[0]) if status == "ok" else (status, outcome)
             verdict, detail = group.admit(rank, world_size, backend, member, declared)
             if verdict != "wait":
                 return verdict, detail
-            if not await wait_event(group.current.over, deadline):
+            if not await wait_first([group.current.over, group.stirred], deadline):
                 return "held", detail
         return "retry", None
 
@@ -156,8 +163,20 @@ class StoreActor:
             return "absent"
         if job_id not in group.jobs:
             return "not_allowed"
+        await self._tell_members(name, group, f"group {name!r} was destroyed by the driver")
+        return "ended"
+
+    async def _tell_members(
+        self, name: str, group: GroupState, reason: str, remove: bool = True
+    ) -> None:
+        """End the current incarnation of ``name`` in every member that holds it, for ``reason``.
+
+        Writes the reason under every held rank's abort key (a FailureWatch records
+        it and fails the rank's pending ops), queues a notice for each member
+        process, ends the incarnation (removing the group if ``remove``), and waits
+        up to ``ACK_WAIT_S`` for the members to take the notice.
+        """
         world = group.current
-        reason = f"group {name!r} was destroyed by the driver"
         held = world.holders()
         for rank in held:
             world.set(abort_key(rank), reason.encode())
@@ -165,11 +184,13 @@ class StoreActor:
         for member in held.values():
             listener = self._listeners.setdefault(member.worker_id, Listener())
             queued.append((listener, listener.push(name, world.id, reason)))
-        self._end(name, group, reason, remove=True)
+        if remove:
+            self._end(name, group, reason, remove=True)
+        else:
+            self._forget(world, reason)
         deadline = time.monotonic() + ACK_WAIT_S
         for listener, seq in queued:
             await listener.taken(seq, deadline)
-        return "ended"
 
     async def _settled(self, name: str) -> GroupState | None:
         """Mark the dead members of ``name``, end it if nobody holds it, and return it."""
@@ -195,16 +216,20 @@ class StoreActor:
     def _end(self, name: str, group: GroupState, reason: str, remove: bool = False) -> None:
         """End the current incarnation; a declared group not yet done starts a fresh one."""
         world = group.current
-        self._gone[world.id] = reason
-        while len(self._gone) > _GONE_KEPT:
-            self._gone.popitem(last=False)
-        world.end(reason)
+        self._forget(world, reason)
         if remove or group.retired():
             del self._groups[name]
             if not self._groups:
                 self._idle_since = time.monotonic()
         else:
             group.current = Incarnation(world.world_size, world.backend)
+
+    def _forget(self, world: Incarnation, reason: str) -> None:
+        """End incarnation ``world`` for ``reason``, which its later callers are told."""
+        self._gone[world.id] = reason
+        while len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
+        world.end(reason)
 
     # --- keys ------------------------------------------------------------------------------
 

@@ -14,10 +14,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from collective.liveness import Member
 from collective.types import GroupOptions
+
+if TYPE_CHECKING:
+    from collective.store_reshape import Reshape
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,15 @@ class GroupState:
     current: Incarnation
     finished: set[str] = field(default_factory=set)
     """Members (by key) that left the group after joining it, or died."""
+    reshape: Reshape | None = None
+    """The shrink or grow in progress, if any (see ``store_reshape``)."""
+    stirred: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a shrink or grow starts, so that ranks waiting to join look again."""
+
+    def stir(self) -> None:
+        """Wake the ranks waiting to join this group, to look at it again."""
+        self.stirred.set()
+        self.stirred = asyncio.Event()
 
     @classmethod
     def declared(cls, declaration: Declaration, job_id: str) -> GroupState:
@@ -208,11 +220,18 @@ class Listener:
 
 async def wait_event(event: asyncio.Event, deadline: float) -> bool:
     """Wait for ``event`` until ``deadline`` (monotonic); return whether it was set."""
+    return await wait_first([event], deadline)
+
+
+async def wait_first(events: list[asyncio.Event], deadline: float) -> bool:
+    """Wait until one of ``events`` is set or ``deadline`` (monotonic); return whether one was."""
     left = deadline - time.monotonic()
-    if left <= 0:
-        return event.is_set()
+    if left <= 0 or any(e.is_set() for e in events):
+        return any(e.is_set() for e in events)
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
     try:
-        await asyncio.wait_for(event.wait(), left)
-    except asyncio.TimeoutError:
-        return False
-    return True
+        done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return bool(done)

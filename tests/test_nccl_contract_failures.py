@@ -254,3 +254,17 @@ def test_destroy_after_a_failure_aborts_and_never_hands_the_streams_on(
     again.clear()
     again.groups[0].allreduce([_x()], AllReduceOptions())
     assert again.cupys[0].trace.named("streamCreateWithFlags")
+
+
+def test_retire_aborts_every_communicator_and_never_destroys_one(
+    ranks: Callable[..., Ranks],
+) -> None:
+    """A shrink or grow retires the old group while a peer may be dead: no ncclCommDestroy."""
+    r = ranks(2)
+    _warm(r)
+    for group in r.groups:
+        group.retire("replaced by a shrink")
+    for rank in range(2):
+        assert _aborted_comms(r, rank) == [("abort", rank)], r.cupys[rank].trace.named("destroy")
+    with pytest.raises(CollectiveError, match=r"replaced by a shrink|destroyed"):
+        r.groups[0].allreduce([_x()], AllReduceOptions())

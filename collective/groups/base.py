@@ -328,6 +328,18 @@ class BaseGroup(ABC):
         """
 
 
+    def retire(self, reason: str) -> None:
+        """Abort this group and release it without waiting on any peer: it is being replaced.
+
+        A shrink or grow replaces a group with a new incarnation while some peers may
+        be dead. The default aborts with ``reason``, then destroys; a backend whose
+        destroy can wait on peers (NCCL's ``ncclCommDestroy``) overrides this to
+        abort its connections instead.
+        """
+        self.abort(reason)
+        self.destroy_group()
+
+
 class GroupConstructor(Protocol):
     """The constructor every backend class has, as ``BaseGroup`` describes it."""
 

@@ -355,6 +355,18 @@ class NCCLGroupBase(BaseGroup):
         if not finished:
             release_communicators(self._cuda, comms, [], False, self.timeout)
 
+    def retire(self, reason: str) -> None:
+        """Abort the communicators, never destroying them: a peer may be dead.
+
+        ``ncclCommDestroy`` waits for every peer of the communicator (with NCCL 2.31
+        and later it can hang when one is gone); ``ncclCommAbort`` never waits. The
+        comm streams are not handed on, as after any failure.
+        """
+        with self._lock:
+            if self._error is None:
+                self._error = CollectiveError(reason)
+        self.destroy_group()
+
     def destroy_group(self) -> None:
         """Abort what still runs (see ``abort``), destroy the communicators, free the streams.
 

@@ -1,0 +1,191 @@
+"""The store actor's shrink, grow and driver re-declaration of groups (see ``store_reshape``).
+
+``ElasticMethods`` is a part of ``StoreActor``; it runs on the actor's event loop
+and uses the actor's groups, listeners and incarnation bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from collective import liveness
+from collective import store_reshape as reshape
+from collective.groups.watch import abort_key
+from collective.liveness import Member
+from collective.store_state import GroupState, Incarnation, Listener, wait_event
+
+RESHAPE_POLL_S = 0.1
+"""How often a shrink or grow in progress asks the GCS whether the members it waits for live."""
+
+
+class ElasticMethods:
+    """Shrink and grow a group from its members, and declare it anew from the driver."""
+
+    if TYPE_CHECKING:  # what StoreActor provides
+        _groups: dict[str, GroupState]
+        _listeners: dict[str, Listener]
+
+        def _start_sweeping(self) -> None: ...
+        async def _settled(self, name: str) -> GroupState | None: ...
+        def _gone_reason(self, name: str, incarnation: str) -> str: ...
+        def _forget(self, world: Incarnation, reason: str) -> None: ...
+        async def _tell_members(
+            self, name: str, group: GroupState, reason: str, remove: bool = True
+        ) -> None: ...
+
+    async def shrink(
+        self,
+        name: str,
+        incarnation: str,
+        rank: int,
+        member: Member,
+        exclude: list[int],
+        timeout_s: float,
+    ) -> tuple[str, Any]:
+        """Shrink ``name`` to its live members less ``exclude``, once every one of them calls.
+
+        Returns:
+            ``("ok", (incarnation id, {old rank: new rank}, world size))``;
+            ``("mismatch", why)`` when the call disagrees with another member's;
+            ``("timeout", why)`` when not every member called within ``timeout_s``;
+            ``("error", why)`` when this rank no longer holds the group.
+
+        """
+        return await self._reshape(
+            name, incarnation, reshape.SHRINK, rank, member, 0, exclude, timeout_s
+        )
+
+    async def grow(
+        self,
+        name: str,
+        incarnation: str,
+        rank: int,
+        member: Member,
+        world_size: int,
+        timeout_s: float,
+    ) -> tuple[str, Any]:
+        """Grow ``name`` to ``world_size`` once every member and every newcomer has come.
+
+        Returns:
+            As ``shrink``; every member keeps its rank.
+
+        """
+        return await self._reshape(
+            name, incarnation, reshape.GROW, rank, member, world_size, [], timeout_s
+        )
+
+    async def _reshape(
+        self,
+        name: str,
+        incarnation: str,
+        kind: str,
+        rank: int,
+        member: Member,
+        world_size: int,
+        exclude: list[int],
+        timeout_s: float,
+    ) -> tuple[str, Any]:
+        self._start_sweeping()
+        deadline = time.monotonic() + timeout_s
+        group = await self._settled(name)
+        if group is None or group.current.id != incarnation:
+            return "error", self._gone_reason(name, incarnation)
+        if kind == reshape.GROW and group.declaration is not None:
+            return "error", (
+                f"group {name!r} was declared from the driver: grow it there with "
+                "grow_declared_group"
+            )
+        change = reshape.enter(group, kind, rank, member, world_size, exclude)
+        if isinstance(change, tuple):
+            return change
+        return await self._reshaped(name, group, change, deadline)
+
+    async def _reshaped(
+        self, name: str, group: GroupState, change: reshape.Reshape, deadline: float
+    ) -> tuple[str, Any]:
+        """Wait until ``change`` is decided (or ``deadline``); return its outcome.
+
+        While it waits, the store asks the GCS every ``RESHAPE_POLL_S`` whether the
+        members it waits for are alive: a member that dies meanwhile is dropped from
+        a shrink, and fails a grow, within about that delay.
+        """
+        while change.outcome is None:
+            old = reshape.decide(group, name)
+            if old is not None:
+                self._retire(name, old, change)
+                break
+            if change.outcome is not None:
+                break
+            if time.monotonic() >= deadline:
+                terms = reshape.describe(change.kind, change.world_size, change.exclude)
+                waited = reshape.missing(group)
+                reshape.give_up(
+                    group,
+                    change,
+                    f"ranks {waited} did not call {terms} in time (ranks "
+                    f"{sorted(change.arrived)} did)",
+                )
+                break
+            await wait_event(change.changed, min(deadline, time.monotonic() + RESHAPE_POLL_S))
+            if self._groups.get(name) is group:
+                held = group.current.holders()
+                group.mark_dead(await liveness.dead_members(held.values()))
+        assert change.outcome is not None
+        return change.outcome
+
+    def _retire(self, name: str, old: Incarnation, change: reshape.Reshape) -> None:
+        """End ``old``, the incarnation a decided ``change`` replaced; tell its excluded ranks."""
+        terms = reshape.describe(change.kind, change.world_size, change.exclude)
+        reason = f"group {name!r} moved to a new incarnation by {terms}"
+        for rank in change.exclude:
+            holder = old.holders().get(rank)
+            if holder is None:
+                continue
+            why = f"rank {rank} was excluded from group {name!r} by shrink_group"
+            old.set(abort_key(rank), why.encode())
+            listener = self._listeners.setdefault(holder.worker_id, Listener())
+            listener.push(name, old.id, why)
+        self._forget(old, reason)
+
+    async def redeclare(
+        self, name: str, job_id: str, drop: list[str], add: list[str]
+    ) -> tuple[str, Any]:
+        """Declare ``name`` anew without the actors ``drop`` and the dead, with ``add`` after.
+
+        The kept actors keep their order, so their ranks move down over the gaps; the
+        added ones take the ranks after them. The current incarnation ends in every
+        member, as when the driver destroys the group, and each member builds the
+        group anew, with its new rank, at its next op.
+
+        Returns:
+            ``("ok", {actor id: rank})``; ``("absent", None)``; ``("not_allowed",
+            None)`` when this driver's job neither declared the group nor holds a
+            member; ``("error", why)`` when the group was made by init.
+
+        """
+        group = await self._settled(name)
+        if group is None:
+            return "absent", None
+        if job_id not in group.jobs:
+            return "not_allowed", None
+        declaration = group.declaration
+        if declaration is None:
+            return "error", (
+                f"group {name!r} was made by init_collective_group: its members shrink and "
+                "grow it with shrink_group and grow_group"
+            )
+        dead = await liveness.dead_actors(declaration.ranks)
+        order = sorted(declaration.ranks, key=declaration.ranks.__getitem__)
+        kept = [a for a in order if a not in dead and a not in drop]
+        ranks = {actor: rank for rank, actor in enumerate([*kept, *add])}
+        reason = (
+            f"group {name!r} was declared anew by the driver with {len(ranks)} ranks; "
+            "its members build it again at their next op"
+        )
+        await self._tell_members(name, group, reason, remove=False)
+        group.declaration = replace(declaration, world_size=len(ranks), ranks=ranks)
+        group.current = Incarnation(len(ranks), declaration.backend)
+        group.finished -= set(ranks)
+        return "ok", ranks
