@@ -137,8 +137,8 @@ def shrink_declared_group(
             use ``shrink_group``), or this driver may not change it.
 
     """
-    ids = _actor_ids(actors, "actors")
-    drop = _actor_ids(exclude or [], "exclude")
+    ids = lifecycle.actor_ids(actors, "actors")
+    drop = lifecycle.actor_ids(exclude or [], "exclude")
     ranks = _redeclare(group_name, drop, [])
     return [ranks.get(actor) for actor in ids]
 
@@ -163,7 +163,7 @@ def grow_declared_group(actors: list[Any], group_name: str = "default") -> list[
             use ``grow_group``), or this driver may not change it.
 
     """
-    ids = _actor_ids(actors, "actors")
+    ids = lifecycle.actor_ids(actors, "actors")
     if not ids:
         raise ArgumentValueError("actors must name at least one new member, got []")
     declaration = rendezvous.declaration(checks.check_group_name(group_name))
@@ -248,23 +248,6 @@ def _reshape(
         built = CheckedGroup(built)
     lifecycle.replace_group(name, built, fresh)
     return rank
-
-
-def _actor_ids(actors: Any, name: str) -> list[str]:
-    import ray
-
-    if not isinstance(actors, (list, tuple)):
-        raise ArgumentTypeError(
-            f"{name} must be a list of actor handles, got {type(actors).__name__}"
-        )
-    ids = []
-    for i, actor in enumerate(actors):
-        if not isinstance(actor, ray.actor.ActorHandle):
-            raise ArgumentTypeError(
-                f"{name}[{i}] must be a Ray actor handle, got {type(actor).__name__}"
-            )
-        ids.append(actor._ray_actor_id.hex())
-    return ids
 
 
 def _redeclare(group_name: str, drop: list[str], add: list[str]) -> dict[str, int]:

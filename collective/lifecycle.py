@@ -50,6 +50,31 @@ def node_ip() -> str:
     return _ray().util.get_node_ip_address()
 
 
+def actor_ids(actors: Any, name: str) -> list[str]:
+    """Return the ids of the distinct actor handles in the list ``actors`` (argument ``name``).
+
+    Raises:
+        TypeError: ``actors`` is no list or tuple, or holds something else than handles.
+        ValueError: an actor appears twice.
+
+    """
+    ray = _ray()
+    if not isinstance(actors, (list, tuple)):
+        raise ArgumentTypeError(
+            f"{name} must be a list of actor handles, got {type(actors).__name__}"
+        )
+    ids = []
+    for i, actor in enumerate(actors):
+        if not isinstance(actor, ray.actor.ActorHandle):
+            raise ArgumentTypeError(
+                f"{name}[{i}] must be a Ray actor handle, got {type(actor).__name__}"
+            )
+        ids.append(actor._ray_actor_id.hex())
+    if len(set(ids)) != len(ids):
+        raise ArgumentValueError(f"{name} must be distinct; the same actor appears twice")
+    return ids
+
+
 def _require_ray_worker(function: str) -> None:
     if not in_ray_worker():
         raise CollectiveError(f"{function} must be called inside a Ray actor or task")
@@ -293,24 +318,12 @@ def declare_collective_group(
     """
     checks.check_group_name(group_name)
     world_size = checks.check_world_size(world_size)
-    if not isinstance(actors, (list, tuple)):
-        raise ArgumentTypeError(
-            f"actors must be a list of actor handles, got {type(actors).__name__}"
-        )
+    ids = actor_ids(actors, "actors")
     if not isinstance(ranks, (list, tuple)) or len(actors) != len(ranks):
         got = len(ranks) if isinstance(ranks, (list, tuple)) else type(ranks).__name__
         raise ArgumentValueError(f"ranks must hold one rank per actor ({len(actors)}), got {got}")
     ranks = checks.check_permutation(ranks, world_size)
     ray = _ray()
-    ids = []
-    for i, actor in enumerate(actors):
-        if not isinstance(actor, ray.actor.ActorHandle):
-            raise ArgumentTypeError(
-                f"actors[{i}] must be a Ray actor handle, got {type(actor).__name__}"
-            )
-        ids.append(actor._ray_actor_id.hex())
-    if len(set(ids)) != len(ids):
-        raise ArgumentValueError("actors must be distinct; the same actor appears twice")
     check_args = checks.check_bool(check_args, "check_args")
     options = checks.check_group_options(strict_buffers, cpu_transport)
     if not ray.is_initialized():

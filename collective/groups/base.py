@@ -327,7 +327,6 @@ class BaseGroup(ABC):
         ``CollectiveError`` that says the group was destroyed.
         """
 
-
     def retire(self, reason: str) -> None:
         """Abort this group and release it without waiting on any peer: it is being replaced.
 
