@@ -52,7 +52,7 @@ def human(size: float) -> str:
     """Return ``size`` bytes as text: ``32 KiB``, ``1 GiB``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if size >= scale:
-            return f"{size / scale:.3g} {unit}"
+            return f"{size / scale:.4g} {unit}"
     return f"{size:g} B"
 
 

@@ -187,10 +187,11 @@ def _unwrapped(group: BaseGroup) -> BaseGroup:
 
 
 def _like(group: BaseGroup, xs: list[Any]) -> Any:
-    """Return a buffer next to which staging and control messages go: one of ``xs`` if any."""
-    if xs and tensor.is_buffer(xs[0]):
+    """Return a buffer next to which staging and control messages go: ``xs[0]`` if it fits."""
+    on_gpu = group.device_type == "cuda"
+    if xs and tensor.is_buffer(xs[0]) and tensor.on_gpu(xs[0]) == on_gpu:
         return xs[0]
-    return tensor.empty("uint8", (0,), "cuda") if group.device_type == "cuda" else None
+    return tensor.empty("uint8", (0,), "cuda") if on_gpu else None
 
 
 def _on_device(like: Any) -> Callable[[Any], Any]:

@@ -147,18 +147,24 @@ class BulkWork(OnceWork):
     def __init__(self, op: str, moves: Moves, bound: timedelta) -> None:
         """Start running ``moves``, the ops of ``op``, in a thread; ``bound`` limits a ``wait``."""
         super().__init__(bound)
-        self._op, self._moves = op, moves
+        self._op = op
+        self._moves: Moves | None = moves
+        self._where = (moves.group.group_name, moves.group.rank, moves.group.timeout)
         self._stream = tensor.caller_stream(moves.like)
         self._order: Callable[[], None] = lambda: None
         self._complete_in_background(f"collective-{moves.group.group_name}-{op}")
 
     def _complete(self, timeout: timedelta | None) -> None:
+        moves = self._moves
         try:
-            with tensor.using_stream(self._moves.like, self._stream):
-                run(self._moves)
-            self._order = tensor.mark(self._moves.like, self._stream)
+            if moves is not None:
+                with tensor.using_stream(moves.like, self._stream):
+                    run(moves)
+                self._order = tensor.mark(moves.like, self._stream)
         except BaseException as exc:
             self._error = exc
+        finally:
+            self._moves = None  # the call's tensors are the caller's again
 
     def wait(self, timeout: timedelta | None = None) -> None:
         """Block until every op of the call has finished and its results are written."""
@@ -166,10 +172,10 @@ class BulkWork(OnceWork):
         self._order()
 
     def _give_up(self, timeout: timedelta | None) -> BaseException:
-        group = self._moves.group
-        waited = timeout or self._timeout or group.timeout
+        name, rank, own = self._where
+        waited = timeout or self._timeout or own
         detail = "its ops had not all finished"
-        return CollectiveTimeoutError(self._op, group.group_name, group.rank, waited, detail)
+        return CollectiveTimeoutError(self._op, name, rank, waited, detail)
 
     def is_completed(self) -> bool:
         """Return whether every op of the call has finished, successfully or not."""
