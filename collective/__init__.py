@@ -10,6 +10,7 @@ from collective.api import (
     reducescatter,
     send,
 )
+from collective.bulk import allreduce_tensors, broadcast_state_dict, broadcast_tensors
 from collective.elastic import (
     grow_declared_group,
     grow_group,
@@ -77,11 +78,14 @@ __all__ = [
     "allgather_multigpu",
     "allreduce",
     "allreduce_multigpu",
+    "allreduce_tensors",
     "alltoall",
     "alltoall_single",
     "barrier",
     "broadcast",
     "broadcast_multigpu",
+    "broadcast_state_dict",
+    "broadcast_tensors",
     "create_collective_group",
     "declare_collective_group",
     "destroy_all_collective_groups",

@@ -14,13 +14,13 @@ messages. Every rank then raises the same error, and the group stays usable.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
 from collective import signature
 from collective.groups.base import BaseGroup
-from collective.tensor import TensorSpec, array_bytes, byte_array, copy_of, int64_array
+from collective.tensor import TensorSpec, array_bytes, byte_array, copy_of, int64_array, to_host
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -113,31 +113,8 @@ class CheckedGroup(BaseGroup):
         timeout: timedelta | None,
         error: ArgumentError | None = None,
     ) -> None:
-        """Allgather ``slots`` over the group; raise the same error on every rank if they differ.
-
-        Raises:
-            ArgumentError: a rank's own checks failed (``error`` here), or the ranks
-                passed different arguments.
-
-        """
-        message = signature.mark_error(slots, error)
-        mine = int64_array(slots)
-        gathered = [int64_array([0] * len(slots)) for _ in range(self.world_size)]
-        self._inner.allgather([gathered], [mine], AllGatherOptions(timeout)).wait()
-        signatures = [g.tolist() for g in gathered]
-        if any(signature.failed(s) for s in signatures):
-            width = max(1, *(signature.error_length(s) for s in signatures))
-            texts = [byte_array(b"", width) for _ in range(self.world_size)]
-            options = AllGatherOptions(timeout)
-            self._inner.allgather([texts], [byte_array(message, width)], options).wait()
-            messages = [array_bytes(t, width) for t in texts]
-            raise signature.argument_error(op, self.group_name, signatures, messages) from error
-        lines = signature.describe_mismatch(signatures, self.world_size)
-        if lines:
-            raise ArgumentValueError(
-                f"{op} on group {self.group_name!r}: the ranks passed different arguments; "
-                + "; ".join(lines)
-            )
+        """Allgather ``slots`` over the group; raise the same error on every rank if they differ."""
+        agree(self._inner, op, slots, timeout, error)
 
     def _tensor_op(
         self,
@@ -286,3 +263,51 @@ class CheckedGroup(BaseGroup):
         """Retire the wrapped group (see ``BaseGroup.retire``)."""
         super().abort(reason)
         self._inner.retire(reason)
+
+
+def agree(
+    group: BaseGroup,
+    op: str,
+    slots: list[int],
+    timeout: timedelta | None,
+    error: ArgumentError | None = None,
+    on_device: Callable[[Any], Any] | None = None,
+) -> list[list[int]]:
+    """Allgather the signature ``slots`` over ``group``; return every rank's, once they agree.
+
+    Every rank of ``group`` must call this for the same ``op``.
+
+    Args:
+        group: the group that carries the exchange.
+        op: the op whose arguments are compared.
+        slots: this rank's signature (see ``signature``).
+        timeout: the exchange's timeout; None is the group's.
+        error: this rank's own argument error, if its checks failed.
+        on_device: moves a numpy control message to the group's device (a GPU
+            group's messages must lie on its GPU); None keeps them in numpy.
+
+    Raises:
+        ArgumentError: a rank's own checks failed (``error`` here, or another rank's),
+            or the ranks passed different arguments; the same error on every rank.
+
+    """
+    move = on_device or (lambda array: array)
+    message = signature.mark_error(slots, error)
+    mine = move(int64_array(slots))
+    gathered = [move(int64_array([0] * len(slots))) for _ in range(group.world_size)]
+    group.allgather([gathered], [mine], AllGatherOptions(timeout)).wait()
+    signatures = [to_host(g).tolist() for g in gathered]
+    if any(signature.failed(s) for s in signatures):
+        width = max(1, *(signature.error_length(s) for s in signatures))
+        texts = [move(byte_array(b"", width)) for _ in range(group.world_size)]
+        options = AllGatherOptions(timeout)
+        group.allgather([texts], [move(byte_array(message, width))], options).wait()
+        messages = [array_bytes(to_host(t), width) for t in texts]
+        raise signature.argument_error(op, group.group_name, signatures, messages) from error
+    lines = signature.describe_mismatch(signatures, group.world_size)
+    if lines:
+        raise ArgumentValueError(
+            f"{op} on group {group.group_name!r}: the ranks passed different arguments; "
+            + "; ".join(lines)
+        )
+    return signatures

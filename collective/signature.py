@@ -27,6 +27,9 @@ _OPS = (
     "gather",
     "scatter",
     "alltoall",
+    "broadcast_tensors",
+    "allreduce_tensors",
+    "broadcast_state_dict",
 )
 _DTYPES = sorted(DTYPES)
 _MAX_DIMS = 8

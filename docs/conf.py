@@ -47,6 +47,7 @@ PAGES = [
     "concepts",
     "data-movement",
     "support-matrix",
+    "weight-sync",
     "migration",
     "nccl",
     "performance",
@@ -60,6 +61,10 @@ RESULTS = DOCS / "performance" / "results.md"
 PLOT = DOCS / "performance" / "busbw.png"
 MARKER = "@generated@"
 """The line in a page's source that ``generate`` replaces."""
+BULK_RESULTS = DOCS / "performance" / "bulk.md"
+BULK_PLOT = DOCS / "performance" / "bulk.png"
+BULK_MARKER = "@bulk@"
+"""The line of the performance page that the many-tensor results replace."""
 
 
 def toctree_pages() -> list[str]:
@@ -81,6 +86,17 @@ def performance_body() -> str:
     return (
         "No benchmark results are checked in yet: run `python -m benchmarks` from the "
         "repository root to produce results, which it writes to `docs/performance/`.\n"
+    )
+
+
+def bulk_body() -> str:
+    """Return the many-tensor results if ``python -m benchmarks.bulk`` wrote them, else how to."""
+    if BULK_RESULTS.is_file() and BULK_PLOT.is_file():
+        return "```{include} performance/bulk.md\n:relative-images:\n```\n"
+    return (
+        "No many-tensor results are checked in yet: run `python -m benchmarks.bulk "
+        "--json docs/performance/bulk.json --plot docs/performance/bulk.png "
+        "--markdown docs/performance/bulk.md`.\n"
     )
 
 
@@ -106,6 +122,8 @@ def generate(app: Sphinx, docname: str, source: list[str]) -> None:
     """Replace the marker line of a generated page with its generated text."""
     if docname in GENERATORS:
         source[0] = source[0].replace(MARKER, GENERATORS[docname]())
+    if docname == "performance":
+        source[0] = source[0].replace(BULK_MARKER, bulk_body())
 
 
 def setup(app: Sphinx) -> None:

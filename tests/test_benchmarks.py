@@ -173,3 +173,47 @@ def test_only_a_checking_plan_counts_wrong_results() -> None:
         times, wrong = workloads.measure("allreduce", 16, 2, 0, plan, call, lambda: None)
         assert len(times) == 2
         assert wrong == want
+
+
+BULK_ROWS = {"collective", "collective_loop", "ray_collective", "object_store", "shm_copy"}
+
+
+def test_bulk_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
+    out_json, out_png, out_md = tmp_path / "bulk.json", tmp_path / "bulk.png", tmp_path / "bulk.md"
+    command = [sys.executable, "-m", "benchmarks.bulk", "--quick", "--nodes", "1"]
+    command += ["--workloads", "uniform:12x1K,transformer:256K:20,gradients:128K:20"]
+    command += ["--json", str(out_json), "--plot", str(out_png), "--markdown", str(out_md)]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads(out_json.read_text())
+    missing = set(data["meta"]["unavailable"])
+    results = data["results"]
+    for kind in ("uniform", "transformer", "gradients"):
+        rows = {r["impl"] for r in results if r["workload"] == kind}
+        expected = BULK_ROWS - missing - ({"object_store"} if kind == "gradients" else set())
+        assert rows == expected, (kind, rows)
+    for r in results:
+        assert r["wrong"] == 0, r
+        assert r["world_size"] == 2 and r["nodes"] == 1 and r["samples"] == 2
+        assert 0 < r["time_ms"]["min"] <= r["time_ms"]["median"] <= r["time_ms"]["max"]
+        assert r["speedup_of_ours"] > 0
+    assert len(data["goals"]) == 7
+    assert {g["verdict"] for g in data["goals"]} == {"not measured"}, "no goal point is tiny"
+    assert "# uniform: 12 tensors, 12 KiB, 2 ranks on 1 node(s)" in done.stdout
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](bulk.png)" in out_md.read_text()
+
+
+@pytest.mark.parametrize(("total", "count"), [(1 << 30, 400), (256 << 20, 400), (1 << 20, 20)])
+def test_transformer_workloads_come_near_their_size_and_count(total: int, count: int) -> None:
+    from benchmarks import bulk_workloads
+
+    for kind in ("transformer", "gradients"):
+        work = bulk_workloads.transformer(total, count, kind)
+        assert 0.8 * total <= work.nbytes <= 1.05 * total, (kind, work.nbytes)
+        assert abs(len(work.tensors) - count) <= 10
+        assert {d for _, _, d in work.tensors} == (
+            {"float32"} if kind == "gradients" else {"bfloat16", "float32"}
+        )

@@ -126,6 +126,38 @@ def test_every_op_runs_hierarchically_across_two_nodes(cluster: tuple[Cluster, A
         assert out["p2p"] == [float(rank ^ 2)] * 2
 
 
+def _bulk(rank: int, name: str) -> dict[str, Any]:
+    """Send a state dict from rank 2 (node b) and reduce a list of gradients."""
+    fill = 5.0 if rank == 2 else 0.0
+    state: dict[str, Any] = {
+        f"layer{i}": np.full((i + 1, 64), fill, np.float32) for i in range(300)
+    }
+    state["big"] = np.full(400_000, fill)
+    col.broadcast_state_dict(state, 2, name, bucket_bytes=64 << 10)
+    grads = [np.full(100 + i, rank + 1, np.int64) for i in range(50)]
+    work = col.allreduce_tensors(grads, name, async_op=True)
+    assert work is not None
+    work.wait()
+    values = np.concatenate([v.ravel() for v in state.values()])
+    return {
+        "state": np.unique(values).tolist(),
+        "grads": np.unique(np.concatenate(grads)).tolist(),
+    }
+
+
+def test_bulk_calls_run_across_two_nodes(cluster: tuple[Cluster, Any]) -> None:
+    actors = _members("node_a", 2) + _members("node_b", 2)
+    name = unique_name("bulk")
+    run_all(actors, _init, range(4), [name] * 4)
+    try:
+        results = run_all(actors, _bulk, range(4), [name] * 4)
+    finally:
+        run_all(actors, _destroy, [name] * 4)
+        for actor in actors:
+            ray.kill(actor)
+    assert results == [{"state": [5.0], "grads": [10]}] * 4
+
+
 def test_group_spans_two_nodes_and_survives_losing_one(cluster: tuple[Cluster, Any]) -> None:
     two, second = cluster
     actors = _members("node_a", 2) + _members("node_b", 2)

@@ -29,6 +29,7 @@ PAGES = [
     "quickstart",
     "concepts",
     "support-matrix",
+    "weight-sync",
     "migration",
     "nccl",
     "performance",

@@ -1,0 +1,147 @@
+"""A rank's own checks of a bulk call's arguments; a failure is kept to travel to every rank.
+
+A bulk call never raises its argument errors on one rank alone: the other ranks would
+wait for it in the agreement. ``Captured`` keeps the first one, and the agreement
+makes every rank raise it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+from collective import checks, tensor
+from collective.bulk.meta import Listing
+from collective.groups.base import BaseGroup
+from collective.outputs import check_written
+from collective.tensor import TensorSpec
+from collective.types import ArgumentError, ArgumentTypeError, ArgumentValueError, ReduceOp
+
+MIN_BUCKET_BYTES = 8
+"""The smallest bucket: one element of the widest dtype."""
+
+
+class Captured:
+    """A block whose first argument error is kept in ``error`` instead of raised."""
+
+    def __init__(self) -> None:
+        """Start with no error."""
+        self.error: ArgumentError | None = None
+
+    def __enter__(self) -> Captured:
+        """Run the checks."""
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        """Keep an argument error; let any other exception through."""
+        if isinstance(error, ArgumentError):
+            self.error = error
+            return True
+        return False
+
+
+def check_bucket_bytes(value: Any, default: int) -> int:
+    """Return ``value`` (``default`` when None) if it is an int of at least ``MIN_BUCKET_BYTES``."""
+    if value is None:
+        return default
+    value = checks.check_int(value, "bucket_bytes")
+    if value < MIN_BUCKET_BYTES:
+        raise ArgumentValueError(
+            f"bucket_bytes must be at least {MIN_BUCKET_BYTES} (one element of any dtype), "
+            f"got {value}"
+        )
+    return value
+
+
+def check_buffers(
+    group: BaseGroup, xs: list[Any], labels: list[str], reduce_op: ReduceOp | None
+) -> list[TensorSpec]:
+    """Return the specs of ``xs`` (named ``labels``) if ``group`` can move them in one call.
+
+    A broadcast moves bytes, so any dtype goes on any backend; a reduction takes the
+    dtypes and reductions that the group's allreduce takes. On a GPU group every
+    buffer must be of one library and on one device.
+    """
+    specs = []
+    reductions: set[str] = set()
+    device, dtypes = group.device_type, group.dtypes if reduce_op is not None else tensor.DTYPES
+    for x, label in zip(xs, labels, strict=True):
+        spec = tensor.spec(x, label)
+        if spec.dtype not in dtypes or spec.device.split(":")[0] != device:
+            moved = spec if reduce_op is not None else replace(spec, dtype="uint8")
+            group.check_tensor(moved, label)
+        if reduce_op is not None and spec.dtype not in reductions:
+            reductions.add(spec.dtype)
+            try:
+                group.check_reduce_op(reduce_op, spec.dtype)
+            except ArgumentError as error:
+                raise type(error)(f"{label}: {error}") from None
+        specs.append(spec)
+    if group.device_type == "cuda" and specs:
+        first = specs[0]
+        for spec, label in zip(specs, labels, strict=True):
+            if (spec.kind, spec.device) != (first.kind, first.device):
+                raise ArgumentValueError(
+                    f"{label} is a {spec.kind} buffer on {spec.device} but {labels[0]} a "
+                    f"{first.kind} buffer on {first.device}; one call on a GPU group takes "
+                    "buffers of one library on one device"
+                )
+    return specs
+
+
+def check_list(xs: Any, name: str) -> list[Any]:
+    """Return ``xs`` as a list if it is a list or tuple (of anything)."""
+    if not isinstance(xs, (list, tuple)):
+        raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(xs).__name__}")
+    return list(xs)
+
+
+def check_state_dict(state_dict: Any) -> dict[str, Any]:
+    """Return ``state_dict`` as a dict if it maps str keys to anything."""
+    if not isinstance(state_dict, Mapping):
+        raise ArgumentTypeError(
+            f"state_dict must be a dict of str to tensors, got {type(state_dict).__name__}"
+        )
+    for key in state_dict:
+        if not isinstance(key, str):
+            raise ArgumentTypeError(
+                f"state_dict keys must be str, got {type(key).__name__} key {key!r}"
+            )
+    return dict(state_dict)
+
+
+def listing(specs: list[TensorSpec], names: list[str] | None) -> Listing:
+    """Return the listing of buffers described by ``specs``, named ``names`` (None: a list)."""
+    return Listing(
+        None if names is None else tuple(names),
+        tuple(s.dtype for s in specs),
+        tuple(s.shape for s in specs),
+    )
+
+
+def check_outputs(group: BaseGroup, xs: list[Any], labels: list[str]) -> list[Any]:
+    """Return views of ``xs`` to write in place, once ``check_written`` lets them be written."""
+    views = [tensor.writable(x) for x in xs]
+    check_written(group, list(zip(labels, views, strict=True)))
+    return views
+
+
+def check_no_overlap(xs: list[Any], labels: list[str]) -> None:
+    """Reject buffers of a reduction that share memory: each would be reduced twice."""
+    spans = sorted(
+        (span, i) for i, x in enumerate(xs) if (span := tensor.memory_span(x))[0] != span[1]
+    )
+    for (span, i), (other, j) in itertools.pairwise(spans):
+        if tensor.spans_overlap(span, other):
+            first, second = sorted((i, j))
+            raise ArgumentValueError(
+                f"{labels[first]} and {labels[second]} share memory; pass distinct buffers"
+            )
