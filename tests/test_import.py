@@ -34,8 +34,10 @@ def test_public_names_are_all_exported() -> None:
         and name
         not in {
             "api",
+            "bulk",
             "checked",
             "checks",
+            "elastic",
             "exchange",
             "groups",
             "incarnation",
@@ -52,6 +54,8 @@ def test_public_names_are_all_exported() -> None:
             "store",
             "store_actor",
             "store_client",
+            "store_elastic",
+            "store_reshape",
             "store_state",
             "subgroups",
             "tensor",
