@@ -189,3 +189,27 @@ def test_a_random_mixed_program_matches_numpy_across_nodes(
 ) -> None:
     results = run_all(actors, _program, range(4), [group] * 4, [seed] * 4)
     mixed_program.check(mixed_program.make(seed, 4), results, 4)
+
+
+def _until_failure_then_shrink(name: str) -> tuple[str, int, int, str, float]:
+    _, kind, _ = allreduce_until_failure(name)
+    rank = col.shrink_group(name, timeout=GROUP_TIMEOUT)
+    x = np.full(8, float(rank + 1))
+    col.allreduce(x, name)
+    transport = col.get_group_handle(name).transport
+    return kind, rank, col.get_collective_group_size(name), transport, float(x[0])
+
+
+def test_survivors_on_two_nodes_shrink_after_a_leader_dies(actors: list[Any]) -> None:
+    """Node b's leader dies mid-op; the three survivors shrink and run hierarchically."""
+    name = unique_name("shrink")
+    extra = Member.options(resources={"node_b": 1}).remote()
+    ranks = [actors[0], actors[1], extra, actors[3]]
+    assert run_all(ranks, _init, range(4), [name] * 4) == ["hierarchical"] * 4
+    survivors = [actors[0], actors[1], actors[3]]
+    refs = [a.run.remote(_until_failure_then_shrink, name) for a in survivors]
+    time.sleep(2.0)
+    ray.kill(extra)
+    results = ray.get(refs, timeout=RAY_TIMEOUT_S)
+    assert results == [("CollectiveError", r, 3, "hierarchical", 6.0) for r in range(3)], results
+    run_all(survivors, _destroy, [name] * 3)
