@@ -1,5 +1,6 @@
 """Collective communication for Ray actors, a drop-in for ``ray.util.collective``."""
 
+from collective._version import __version__ as __version__
 from collective.api import (
     allgather,
     allreduce,
@@ -60,8 +61,6 @@ from collective.types import (
     ReduceOp,
 )
 from collective.work import Work
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",

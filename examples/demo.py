@@ -90,7 +90,11 @@ class Worker:
 def main() -> None:
     """Start a local cluster, run the ops, print each rank's results, and clean up."""
     ray.init(
-        address="local", namespace="collective-demo", include_dashboard=False, log_to_driver=False
+        address="local",
+        num_cpus=2,
+        namespace="collective-demo",
+        include_dashboard=False,
+        log_to_driver=False,
     )
     workers = [Worker.remote() for _ in range(WORLD_SIZE)]
     ranks = ray.get([w.setup.remote(r) for r, w in enumerate(workers)], timeout=120)
@@ -101,10 +105,14 @@ def main() -> None:
         for rank, result in enumerate(results):
             print(f"  rank {rank}: {result[op]}")
     still_there = ray.get([w.teardown.remote() for w in workers], timeout=60)
-    leftovers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     print(
-        f"\ndestroyed: group still initialized on any rank? {any(still_there)}; "
-        f"named actors left: {leftovers}"
+        f"\ngroup {GROUP!r} destroyed: initialized on no rank: {not any(still_there)}; "
+        f"live groups in this job: {col.list_collective_groups()}"
+    )
+    print(
+        "the named actor 'collective.rendezvous', the store that hosted the group's "
+        "rendezvous, exits by itself a few seconds after its last group: nothing is left "
+        "to clean up"
     )
     ray.shutdown()
 

@@ -437,5 +437,5 @@ def test_multigpu_names_are_exported_with_rays_signatures() -> None:
 def test_synchronize_without_a_gpu_says_what_to_install() -> None:
     with pytest.raises(ValueError, match="gpu_id must be at least 0, got -1"):
         col.synchronize(-1)
-    with pytest.raises(CollectiveError, match=r"collective\[nccl\]"):
+    with pytest.raises(CollectiveError, match=r"pip install cupy-cuda12x .*ray-collective\[nccl\]"):
         col.synchronize(0)

@@ -6,6 +6,7 @@ lie, ``cpu`` wraps CPU buffers for the CPU backend and ``cuda`` GPU buffers for 
 
 from collective.tensor.cpu import CpuBuffer, bytes_as, plain_flat
 from collective.tensor.cuda import (
+    CUPY_INSTALL_HINT,
     NCCL_DTYPES,
     CudaBuffer,
     cuda_buffer,
@@ -56,6 +57,7 @@ from collective.tensor.packing import (
 from collective.tensor.streams import caller_stream, mark, on_gpu, using_stream
 
 __all__ = [
+    "CUPY_INSTALL_HINT",
     "DTYPES",
     "GRAD_LEAF",
     "ITEMSIZE",

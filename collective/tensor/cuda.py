@@ -7,8 +7,14 @@ from typing import Any
 
 import numpy as np
 
+from collective._version import DISTRIBUTION
 from collective.tensor.kinds import is_cupy, is_torch, spec
 from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError
+
+CUPY_INSTALL_HINT = (
+    f'pip install cupy-cuda12x (for CUDA 13: cupy-cuda13x); "{DISTRIBUTION}[nccl]" has it'
+)
+"""What to install when cupy is missing: the package itself, and the extra that has it."""
 
 NCCL_DTYPES: dict[str, int] = {
     "int8": 0,
@@ -142,13 +148,13 @@ def synchronize_device(gpu_id: int) -> None:
         except cupy.cuda.runtime.CUDARuntimeError as exc:
             raise CollectiveError(
                 f"synchronize({gpu_id}) failed: {exc}; it needs a CUDA GPU in this process "
-                '(give the actor num_gpus=1) and cupy: pip install "collective[nccl]"'
+                f"(give the actor num_gpus=1) and cupy: {CUPY_INSTALL_HINT}"
             ) from exc
         return
     try:
         import torch
     except ImportError as exc:
-        raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"') from exc
+        raise CollectiveError(f"synchronize needs cupy: {CUPY_INSTALL_HINT}") from exc
     if not torch.cuda.is_available():
-        raise CollectiveError('synchronize needs cupy: pip install "collective[nccl]"')
+        raise CollectiveError(f"synchronize needs cupy: {CUPY_INSTALL_HINT}")
     torch.cuda.synchronize(gpu_id)

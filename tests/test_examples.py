@@ -1,0 +1,62 @@
+"""Every program in examples/ runs as a user runs it, passes its own checks, and is documented.
+
+An example that cannot run on this machine (no GPU) prints ``skipped: <reason>`` as its
+first line and exits with status 0; its test is then skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+RUN_TIMEOUT_S = 300
+RUN_ELSEWHERE = {"quickstart.py": "tests/test_docs.py::test_quickstart_runs_as_written"}
+"""Examples that another test already runs, and that test."""
+MUST_PRINT = {
+    "demo.py": ["live groups in this job: []", "exits by itself"],
+    "data_parallel_sgd.py": [
+        "replicas identical on all 4 actors: True",
+        "replicas match the model trained on all the data in one process: True",
+        "loss fell by more than half: True",
+    ],
+    "parameter_server.py": [
+        "same weights as the SGD run in one process: True",
+        "weights within 0.05 of the truth: True",
+    ],
+    "multigpu.py": ["every GPU holds what it should: True"],
+}
+"""Lines each example prints when its checks pass, beyond its exit status."""
+
+
+def examples() -> list[str]:
+    return sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in RUN_ELSEWHERE)
+
+
+@pytest.mark.parametrize("name", examples())
+def test_example_runs_and_passes_its_checks(name: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        cwd=ROOT,
+    )
+    output = result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0, output
+    if result.stdout.startswith("skipped: "):
+        pytest.skip(f"{name}: {result.stdout.splitlines()[0].removeprefix('skipped: ')}")
+    for line in MUST_PRINT.get(name, []):
+        assert line in result.stdout, output
+
+
+def test_every_example_is_a_whole_program_shown_in_the_docs() -> None:
+    pages = "".join(page.read_text() for page in (ROOT / "docs").glob("*.md"))
+    for path in sorted(EXAMPLES.glob("*.py")):
+        assert 'if __name__ == "__main__":' in path.read_text(), path.name
+        assert f"../examples/{path.name}" in pages, path.name
+    assert set(MUST_PRINT) <= {p.name for p in EXAMPLES.glob("*.py")}
