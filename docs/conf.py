@@ -44,6 +44,7 @@ html_title = f"collective {release}"
 
 PAGES = [
     "quickstart",
+    "examples",
     "concepts",
     "data-movement",
     "support-matrix",

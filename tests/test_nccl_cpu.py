@@ -343,7 +343,7 @@ def test_init_nccl_in_an_actor_says_what_to_install(members: list, no_leaks: Non
         members[0].run.remote(_init_nccl, unique_name("nccl")), timeout=RAY_TIMEOUT_S
     )
     assert type(error) is CollectiveError, repr(error)
-    assert 'pip install "collective[nccl]"' in str(error) or "num_gpus" in str(error)
+    assert "pip install cupy-cuda12x" in str(error) or "num_gpus" in str(error)
     assert not exists
 
 

@@ -35,9 +35,7 @@ NCCL_REDUCE_OPS: dict[ReduceOp, int] = {
 UNIQUE_ID_BYTES = 128
 """The size of an ``ncclUniqueId``."""
 
-INSTALL_HINT = (
-    'pip install "collective[nccl]" (it installs cupy-cuda12x; for CUDA 13: cupy-cuda13x)'
-)
+INSTALL_HINT = tensor.CUPY_INSTALL_HINT
 """What to install when cupy is missing."""
 
 NO_GPU_HINT = "give the actor num_gpus=1, or use backend='gloo' for CPU tensors"
