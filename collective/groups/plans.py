@@ -13,7 +13,10 @@ intra- and inter-node transports:
   scatter each node's chunks locally;
 - barrier: a local barrier, a barrier among leaders, a local barrier.
 
-Leaders' Gloo calls get what is left of the op's deadline as their timeout.
+Leaders' Gloo calls get what is left of the op's deadline as their timeout. Before
+any step, the leaders agree on the op (``GlooGroup.agree``): nodes that disagree
+raise on their leaders before any data moves, instead of gloo aborting the process
+or mixing the data; the leaders' Gloo ops then skip their own agreement.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ from typing import Any
 import numpy as np
 
 from collective.groups.gloo import GlooGroup
+from collective.groups.gloo_agree import Call, on_buffer
 from collective.groups.shm.algorithms import Collectives, Solo
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.mail import Mail
 from collective.groups.shm.steps import dtype_code
 from collective.groups.topology import Topology
-from collective.tensor import CpuBuffer
+from collective.tensor import CpuBuffer, torch_view
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
+    ArgumentValueError,
     BarrierOptions,
     BroadcastOptions,
     ReduceOp,
@@ -121,9 +126,7 @@ class Flat:
 
 def _tensor(data: np.ndarray, like: CpuBuffer) -> Any:
     """Return the bytes ``data`` as a torch tensor of ``like``'s dtype, sharing memory."""
-    import torch
-
-    return torch.from_numpy(data).view(like.torch_dtype)
+    return torch_view(data, like.torch_dtype)
 
 
 def _left(deadline: float) -> timedelta:
@@ -148,6 +151,30 @@ class Hierarchy:
         self._leaders = leaders
         self._world_size = world_size
         self._reducers = Reducers(world_size)
+        self._agreeing = True
+        if leaders is not None:
+            leaders.skip_agreement()
+
+    def skip_agreement(self) -> None:
+        """Run each op without the leaders' agreement: a wrapper checks every call first."""
+        self._agreeing = False
+
+    def _agree(self, call: Call, deadline: float) -> None:
+        """Have the nodes' leaders agree on the op ``call`` before any data moves.
+
+        Raises:
+            ArgumentValueError: the nodes passed different arguments (on leaders only).
+
+        """
+        if not self._agreeing or not self.topo.is_leader:
+            return
+        try:
+            self._leader().agree(call, _left(deadline))
+        except ArgumentValueError as exc:
+            raise ArgumentValueError(
+                f"{exc} (the ranks named are the nodes' leaders, ranks {list(self.topo.leaders)} "
+                "of the group)"
+            ) from None
 
     def _local_op(self, op: ReduceOp, dtype: str) -> Reducer:
         """Return the reducer of the local stages: AVG sums, and divides only at the end."""
@@ -169,6 +196,7 @@ class Hierarchy:
 
     def allreduce(self, buf: CpuBuffer, op: ReduceOp, deadline: float) -> None:
         """Reduce into every rank's ``buf``."""
+        self._agree(on_buffer("allreduce", buf, reduce_op=op), deadline)
         dtype, data = buf.dtype, buf.bytes
         self.local.reduce(data, 0, self._local_op(op, dtype), dtype, deadline)
         if self.topo.is_leader:
@@ -180,6 +208,7 @@ class Hierarchy:
 
     def reduce(self, buf: CpuBuffer, op: ReduceOp, root: int, deadline: float) -> None:
         """Reduce onto ``root``'s ``buf``; every other rank's stays as it was."""
+        self._agree(on_buffer("reduce", buf, root, op), deadline)
         topo, dtype = self.topo, buf.dtype
         root_node = topo.node_of(root)
         leader_of_root = topo.leaders[root_node]
@@ -200,6 +229,7 @@ class Hierarchy:
 
     def broadcast(self, buf: CpuBuffer, root: int, deadline: float) -> None:
         """Copy ``root``'s ``buf`` into every other rank's; the root's is only read."""
+        self._agree(on_buffer("broadcast", buf, root), deadline)
         topo, dtype = self.topo, buf.dtype
         root_node = topo.node_of(root)
         leader_of_root = topo.leaders[root_node]
@@ -216,6 +246,7 @@ class Hierarchy:
 
     def allgather(self, source: CpuBuffer, outputs: list[CpuBuffer], deadline: float) -> None:
         """Write rank i's ``source`` into ``outputs[i]`` on every rank."""
+        self._agree(on_buffer("allgather", source, length=len(outputs)), deadline)
         topo, dtype, piece = self.topo, source.dtype, source.bytes
         size = piece.size
         widest = max(len(ranks) for ranks in topo.nodes)
@@ -237,6 +268,7 @@ class Hierarchy:
         self, output: CpuBuffer, inputs: list[CpuBuffer], op: ReduceOp, deadline: float
     ) -> None:
         """Reduce ``inputs[i]`` of every rank into rank i's ``output``."""
+        self._agree(on_buffer("reducescatter", output, reduce_op=op, length=len(inputs)), deadline)
         topo, dtype = self.topo, output.dtype
         size = output.bytes.size
         whole = np.concatenate([i.bytes for i in inputs]) if inputs else np.zeros(0, np.uint8)
@@ -251,6 +283,7 @@ class Hierarchy:
 
     def barrier(self, deadline: float) -> None:
         """Return once every rank has entered the barrier."""
+        self._agree(Call("barrier"), deadline)
         self.local.barrier(deadline)
         if self.topo.is_leader:
             self._leader().barrier(BarrierOptions(_left(deadline)))

@@ -4,7 +4,7 @@
 lie, ``cpu`` wraps CPU buffers for the CPU backend and ``cuda`` GPU buffers for NCCL.
 """
 
-from collective.tensor.cpu import CpuBuffer, plain_flat
+from collective.tensor.cpu import CpuBuffer, plain_flat, torch_view
 from collective.tensor.cuda import (
     NCCL_DTYPES,
     CudaBuffer,
@@ -76,5 +76,6 @@ __all__ = [
     "spec",
     "split_rows",
     "synchronize_device",
+    "torch_view",
     "write_hazards",
 ]

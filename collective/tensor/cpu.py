@@ -86,6 +86,16 @@ def _dense(tensor: Any) -> Any:
     return tensor.as_strided(tensor.shape, strides, tensor.storage_offset())
 
 
+def torch_view(data: np.ndarray, dtype: Any) -> Any:
+    """Return the flat ``uint8`` array ``data`` as a torch tensor of ``dtype``, sharing memory.
+
+    ``data`` may be empty, whatever its stride.
+    """
+    import torch
+
+    return _dense(torch.from_numpy(data)).view(dtype)
+
+
 class CpuBuffer:
     """A contiguous CPU buffer standing for a user buffer during one op.
 
