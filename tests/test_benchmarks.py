@@ -173,3 +173,19 @@ def test_only_a_checking_plan_counts_wrong_results() -> None:
         times, wrong = workloads.measure("allreduce", 16, 2, 0, plan, call, lambda: None)
         assert len(times) == 2
         assert wrong == want
+
+
+def test_gloo_agreement_benchmark_times_every_op_with_and_without_the_check() -> None:
+    from benchmarks import gloo_agreement
+
+    lines = gloo_agreement.main(["--rounds", "1", "--sizes", "8,16K", "--iters", "3"])
+    assert len(lines) == 2 * 2 * 2, lines
+    for op in ("allreduce", "broadcast"):
+        for size in ("8 B", "16384 B"):
+            for mode in ("without", "with "):
+                assert any(op in line and size in line and mode in line for line in lines), (
+                    op,
+                    size,
+                    mode,
+                    lines,
+                )

@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from collective.groups.gloo_agree import (
     HEADER_WIDTH,
     Call,
@@ -97,7 +99,7 @@ class GlooGroup(GlooGroupBase):
             reduce_options = call_options("Reduce", timeout, reduceOp=op, rootRank=root)
             return self._pg.reduce([tensor], reduce_options)
 
-        def complete(parts: Any) -> None:
+        def complete(parts: np.ndarray) -> None:
             if is_root:
                 _reduce(buf, parts, options.reduce_op)
 
@@ -116,7 +118,7 @@ class GlooGroup(GlooGroupBase):
         buf = self._one(tensors, "tensor", writable=not is_root)
         root = options.root_rank
 
-        def complete(parts: Any) -> None:
+        def complete(parts: np.ndarray) -> None:
             if not is_root:
                 _write(buf, parts[root])
 
@@ -165,18 +167,23 @@ class GlooGroup(GlooGroupBase):
         inputs = self._list(tensor_lists, "tensor_list", writable=False)
         if self._scratch is None:
             self._scratch = Scratch()
-        exchange = ChunkExchange(output.tensor, [i.tensor for i in inputs], self._scratch)
+        scratch, laid_out = self._scratch, []
+
+        def start(timeout: timedelta | None) -> Any:
+            # Laid out once the ranks agree: a refused op borrows no scratch.
+            exchange = ChunkExchange(output.tensor, [i.tensor for i in inputs], scratch)
+            laid_out.append(exchange)
+            opts = call_options("AllToAll", timeout)
+            return self._pg.alltoall_base(exchange.received, exchange.sent, [], [], opts)
 
         def finish() -> None:
-            exchange.reduce(options.reduce_op)
+            laid_out[0].reduce(options.reduce_op)
             output.commit()
 
         return self._run(
             "reducescatter",
             options,
-            lambda t: self._pg.alltoall_base(
-                exchange.received, exchange.sent, [], [], call_options("AllToAll", t)
-            ),
+            start,
             finish,
             call=on_buffer(
                 "reducescatter", output, reduce_op=options.reduce_op, length=len(inputs)
@@ -189,15 +196,14 @@ class GlooGroup(GlooGroupBase):
         The data goes out behind a header of its dtype and size (see ``gloo_agree``).
         """
         buf = self._one(tensors, "tensor", writable=False)
-        dst = options.dst_rank
-        header = Header.of(buf) if self._agreeing else None
-        words = int64_tensor(header.words()) if header is not None else None
+        dst, header = options.dst_rank, Header.of(buf)
+        words = int64_tensor(header.words())
 
         def start(_: Any) -> Any:
-            if words is None:
+            if not self._agreeing:
                 return self._pg.send([buf.tensor], dst, _P2P_TAG)
             sent = self._pg.send([words], dst, _P2P_TAG)
-            if header is None or not header.nbytes:
+            if not header.nbytes:
                 return sent
             return Sequenced(sent, self._pg.send([buf.tensor], dst, _P2P_TAG))
 
@@ -344,20 +350,22 @@ class GlooGroup(GlooGroupBase):
         )
 
 
-def _reduce(buf: CpuBuffer, parts: Any, op: ReduceOp) -> None:
+def _reduce(buf: CpuBuffer, parts: np.ndarray, op: ReduceOp) -> None:
     """Reduce every rank's bytes (the rows of ``parts``) into ``buf`` by ``op``, in rank order."""
+    import torch
+
     out = buf.tensor.view(-1)
-    reduce_into(out, [p.view(out.dtype) for p in parts], op)
+    reduce_into(out, torch.from_numpy(parts).view(out.dtype).unbind(0), op)
     buf.commit()
 
 
-def _write(buf: CpuBuffer, data: Any) -> None:
+def _write(buf: CpuBuffer, data: np.ndarray) -> None:
     """Write the bytes ``data`` into ``buf``."""
-    byte_view(buf.tensor).copy_(data)
+    buf.bytes[:] = data
     buf.commit()
 
 
-def _write_all(buffers: list[CpuBuffer], parts: Any) -> None:
+def _write_all(buffers: list[CpuBuffer], parts: np.ndarray) -> None:
     """Write rank i's bytes (row i of ``parts``) into ``buffers[i]``; none without buffers."""
     for buf, data in zip(buffers, parts[: len(buffers)], strict=True):
         _write(buf, data)

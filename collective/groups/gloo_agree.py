@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -92,11 +91,11 @@ class Carried:
     ``data`` is this rank's ``Call.nbytes`` bytes (a flat uint8 numpy array), or
     None where the rank sends none (off the root of a broadcast); ``complete``
     writes this rank's result from every rank's carried bytes: the rows of a uint8
-    torch tensor, in rank order.
+    numpy array, in rank order.
     """
 
     data: np.ndarray | None
-    complete: Callable[[Any], None]
+    complete: Callable[[np.ndarray], None]
 
 
 class Records:
@@ -127,18 +126,16 @@ class Records:
 
     def agreed(self) -> bool:
         """Return whether every rank's gathered words are the same."""
-        words = self._rows[:, : WIDTH * 8]
-        return bool((words == words[0]).all())
+        first = self._rows[0, : WIDTH * 8].tobytes()
+        return all(row[: WIDTH * 8].tobytes() == first for row in self._rows[1:])
 
     def words(self) -> list[list[int]]:
         """Return every rank's gathered words."""
         return np.ascontiguousarray(self._rows[:, : WIDTH * 8]).view(np.int64).tolist()
 
-    def data(self, nbytes: int) -> Any:
-        """Return every rank's first ``nbytes`` carried bytes, as the rows of a uint8 tensor."""
-        import torch
-
-        return torch.from_numpy(self._rows[:, WIDTH * 8 : WIDTH * 8 + nbytes])
+    def data(self, nbytes: int) -> np.ndarray:
+        """Return every rank's first ``nbytes`` carried bytes, as the rows of a uint8 array."""
+        return self._rows[:, WIDTH * 8 : WIDTH * 8 + nbytes]
 
 
 def on_buffer(
