@@ -51,6 +51,7 @@ class CheckedGroup(BaseGroup):
             inner.world_size, inner.rank, inner.group_name, inner.timeout, inner.options
         )
         self._inner = inner
+        inner.skip_agreement()
 
     @property
     def inner(self) -> BaseGroup:

@@ -9,13 +9,13 @@ this module builds them and says how they differ.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from collective.tensor import DTYPES, spec
 from collective.types import ArgumentError, ArgumentTypeError, ArgumentValueError, ReduceOp
 
-_OPS = (
+OPS = (
     "allreduce",
     "barrier",
     "reduce",
@@ -31,7 +31,9 @@ _OPS = (
     "allreduce_tensors",
     "broadcast_state_dict",
 )
-_DTYPES = sorted(DTYPES)
+"""Every op a signature names; an op's code is its index."""
+DTYPE_NAMES = sorted(DTYPES)
+"""Every dtype a signature names; a dtype's code is its index."""
 _MAX_DIMS = 8
 UNSET = -1
 """The value of a slot that the op does not use."""
@@ -51,7 +53,7 @@ _MAX_MESSAGE = 4096
 def blank(op: str, world_size: int) -> list[int]:
     """Return the signature of ``op`` with nothing else set, for a group of ``world_size``."""
     slots = [UNSET] * (_FIXED + 2 * world_size)
-    slots[_OP] = _OPS.index(op)
+    slots[_OP] = OPS.index(op)
     slots[_ERROR], slots[_LENGTH] = 0, 0
     return slots
 
@@ -101,7 +103,7 @@ def error_length(slots: Sequence[int]) -> int:
 
 def _encode_tensor(slots: list[int], x: Any) -> None:
     described = spec(x, "tensor")
-    slots[_DTYPE] = _DTYPES.index(described.dtype)
+    slots[_DTYPE] = DTYPE_NAMES.index(described.dtype)
     slots[_NDIM] = len(described.shape)
     slots[_CRC] = zlib.crc32(repr(described.shape).encode())
     for i, dim in enumerate(described.shape[:_MAX_DIMS]):
@@ -124,8 +126,8 @@ def _shape(slots: Sequence[int]) -> str:
 
 
 _FIELDS = {
-    "op": lambda s: _OPS[s[_OP]],
-    "dtype": lambda s: _DTYPES[s[_DTYPE]] if s[_DTYPE] != UNSET else "none",
+    "op": lambda s: OPS[s[_OP]],
+    "dtype": lambda s: DTYPE_NAMES[s[_DTYPE]] if s[_DTYPE] != UNSET else "none",
     "shape": lambda s: _shape(s) if s[_NDIM] != UNSET else "none",
     "root": lambda s: str(s[_ROOT]) if s[_ROOT] != UNSET else "none",
     "reduce op": lambda s: ReduceOp(s[_REDUCE]).name if s[_REDUCE] != UNSET else "none",
@@ -166,23 +168,45 @@ def argument_error(
 
 def describe_mismatch(signatures: Sequence[Sequence[int]], world_size: int) -> list[str]:
     """Return one line per way the ranks' signatures differ; empty when they agree."""
-    lines = []
-    for field, show in _FIELDS.items():
-        by_value: dict[str, list[int]] = {}
-        for rank, slots in enumerate(signatures):
-            by_value.setdefault(show(slots[:_FIXED]), []).append(rank)
-        if len(by_value) > 1:
-            parts = ", ".join(f"{v} on {_ranks(r)}" for v, r in by_value.items())
-            lines.append(f"{field}: {parts}")
-    if lines or signatures[0][_OP] != _OPS.index("alltoall"):
+    lines = differences([{f: show(s[:_FIXED]) for f, show in _FIELDS.items()} for s in signatures])
+    if lines or signatures[0][_OP] != OPS.index("alltoall"):
         return lines
     sends = [s[_FIXED : _FIXED + world_size] for s in signatures]
     recvs = [s[_FIXED + world_size : _FIXED + 2 * world_size] for s in signatures]
-    for i in range(world_size):
-        for j in range(world_size):
+    return unpaired(sends, recvs, "elements")
+
+
+def differences(shown: Sequence[Mapping[str, str]]) -> list[str]:
+    """Return one line per field whose value differs among the ranks; ``shown[r]`` is rank r's.
+
+    A line reads ``"dtype: float32 on rank 0, float64 on ranks [1, 2]"``.
+    """
+    lines = []
+    for field in shown[0]:
+        by_value: dict[str, list[int]] = {}
+        for rank, values in enumerate(shown):
+            by_value.setdefault(values[field], []).append(rank)
+        if len(by_value) > 1:
+            parts = ", ".join(f"{v} on {_ranks(r)}" for v, r in by_value.items())
+            lines.append(f"{field}: {parts}")
+    return lines
+
+
+def unpaired(
+    sends: Sequence[Sequence[int]], recvs: Sequence[Sequence[int]], unit: str
+) -> list[str]:
+    """Return one line per pair of ranks whose alltoall sizes differ; empty when all pair up.
+
+    ``sends[i][j]`` is what rank i sends rank j, ``recvs[i][j]`` what rank i expects
+    from rank j, both counted in ``unit``.
+    """
+    lines = []
+    n = len(sends)
+    for i in range(n):
+        for j in range(n):
             if recvs[i][j] != sends[j][i]:
                 lines.append(
-                    f"rank {i} expects {recvs[i][j]} elements from rank {j}, "
+                    f"rank {i} expects {recvs[i][j]} {unit} from rank {j}, "
                     f"which sends it {sends[j][i]}"
                 )
     return lines
@@ -193,8 +217,8 @@ def describe_pair(
 ) -> list[str]:
     """Return one line per way a send and a recv between ``rank`` and ``peer`` differ."""
     lines = []
-    if _OPS[other[_OP]] != ("recv" if op == "send" else "send") or other[_ROOT] != rank:
-        lines.append(f"rank {peer} called {_OPS[other[_OP]]} with peer {other[_ROOT]}")
+    if OPS[other[_OP]] != ("recv" if op == "send" else "send") or other[_ROOT] != rank:
+        lines.append(f"rank {peer} called {OPS[other[_OP]]} with peer {other[_ROOT]}")
     for field in ("dtype", "shape"):
         a, b = _FIELDS[field](mine), _FIELDS[field](other)
         if a != b:

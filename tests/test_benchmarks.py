@@ -217,3 +217,19 @@ def test_transformer_workloads_come_near_their_size_and_count(total: int, count:
         assert {d for _, _, d in work.tensors} == (
             {"float32"} if kind == "gradients" else {"bfloat16", "float32"}
         )
+
+
+def test_gloo_agreement_benchmark_times_every_op_with_and_without_the_check() -> None:
+    from benchmarks import gloo_agreement
+
+    lines = gloo_agreement.main(["--rounds", "1", "--sizes", "8,16K", "--iters", "3"])
+    assert len(lines) == 2 * 2 * 2, lines
+    for op in ("allreduce", "broadcast"):
+        for size in ("8 B", "16384 B"):
+            for mode in ("without", "with "):
+                assert any(op in line and size in line and mode in line for line in lines), (
+                    op,
+                    size,
+                    mode,
+                    lines,
+                )

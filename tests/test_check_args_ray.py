@@ -1,10 +1,9 @@
 """check_args=True: ranks that disagree on an op's arguments all raise ValueError, naming who.
 
-Without the check, gloo does not reliably notice: a dtype or reduce-op mismatch
-returns wrong numbers on every rank, a small shape mismatch returns wrong numbers
-on one rank, and a larger one aborts the process inside gloo. The check is what
-makes such bugs visible, so every case here asserts every rank's error. An argument
-error that only one rank's own checks find is raised on every rank too, at once.
+The check compares shapes too, and spreads an argument error that only one rank's
+own checks find to every rank, at once; every case here asserts every rank's error.
+Without it, each transport still refuses a mismatch of op, root, reduction, dtype
+or size before any data moves; the last tests assert that over Gloo and shared memory.
 """
 
 from __future__ import annotations
@@ -181,12 +180,58 @@ def _unchecked(rank: int, name: str, transport: str) -> list[float] | str:
     return x.tolist()
 
 
-def test_without_the_check_gloo_misses_a_reduce_op_mismatch(members: list) -> None:
-    """Document the unchecked behaviour over TCP: no error, and numbers that are neither answer."""
+def _unchecked_gloo(rank: int, name: str, case: str) -> dict[str, Any]:
+    """Run ``case`` on a forced-Gloo group without the check; report the error and the aftermath."""
+    col.init_collective_group(
+        2, rank, backend="gloo", group_name=name, timeout=OP_TIMEOUT, cpu_transport="gloo"
+    )
+    try:
+        dtype, size, op = {
+            "float32 vs float64": (np.float64 if rank else np.float32, 8, col.ReduceOp.SUM),
+            "8 vs 9 elements": (np.float32, 8 + rank, col.ReduceOp.SUM),
+            "SUM vs MAX": (np.float32, 8, col.ReduceOp.MAX if rank else col.ReduceOp.SUM),
+            "send float32[8] into float64[8]": (np.float64 if rank else np.float32, 8, None),
+        }[case]
+        x = np.full(size, rank + 1, dtype=dtype)
+        before, error = x.copy(), ""
+        try:
+            if op is not None:
+                col.allreduce(x, name, op)
+            elif rank == 0:
+                col.send(x, 1, name)
+            else:
+                col.recv(x, 0, name)
+        except ValueError as exc:
+            error = str(exc)
+        after = np.full(4, rank + 1.0)
+        col.allreduce(after, name)
+        return {"error": error, "unchanged": np.array_equal(x, before), "after": after.tolist()}
+    finally:
+        col.destroy_collective_group(name)
+
+
+UNCHECKED_GLOO = {
+    "float32 vs float64": "dtype: float32 on rank 0, float64 on rank 1",
+    "8 vs 9 elements": "elements: 8 on rank 0, 9 on rank 1",
+    "SUM vs MAX": "reduce op: SUM on rank 0, MAX on rank 1",
+    "send float32[8] into float64[8]": "rank 0 sent float32[8], but rank 1 receives into float64",
+}
+"""Mismatches over Gloo without check_args, and what each rank that raises says."""
+
+
+@pytest.mark.parametrize("case", list(UNCHECKED_GLOO))
+def test_without_the_check_gloo_still_refuses_a_mismatch_and_the_actors_live(
+    members: list, case: str
+) -> None:
+    """gloo alone aborted the actor's process on the first two and mixed the data on the others."""
     name = unique_name("unchecked")
-    results = run_all(members[:2], _unchecked, [0, 1], [name, name], ["gloo"] * 2)
-    assert results[0] == results[1]
-    assert results[0] not in ([2.0] * 4, [3.0] * 4)
+    results = run_all(members[:2], _unchecked_gloo, [0, 1], [name, name], [case, case])
+    raising = results[1:] if case.startswith("send") else results
+    for result in raising:
+        assert UNCHECKED_GLOO[case] in result["error"], result
+        assert result["unchanged"], result
+    for result in results:
+        assert result["after"] == [3.0] * 4, result
     assert name not in live_groups()
 
 

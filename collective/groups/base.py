@@ -191,6 +191,17 @@ class BaseGroup(ABC):
                 f"{kinds} tensors only"
             )
 
+    def skip_agreement(self) -> None:
+        """Run each op without first checking that the ranks agree on it.
+
+        A backend whose transport cannot survive ranks that disagree (on the op,
+        its root or reduction, or a buffer's dtype or size) checks that they agree
+        before each op moves data. ``CheckedGroup`` calls this on the group it
+        wraps: it checks every call across ranks itself, so the group need not
+        pay twice. This one has no such check.
+        """
+        return None
+
     def allreduce_now(self, tensor: Any, op: Any) -> bool:
         """Run a blocking allreduce of ``tensor`` by ``op`` at once, if this group can cheaply.
 

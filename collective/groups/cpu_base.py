@@ -158,6 +158,14 @@ class CpuGroupBase(BaseGroup):
         """Return whether torch with gloo support is importable, as ``GlooGroup`` needs."""
         return GlooGroup.check_backend_availability()
 
+    def skip_agreement(self) -> None:
+        """Run each op on the Gloo groups underneath without their agreement; see ``BaseGroup``."""
+        for gloo in (self._found.gloo, self._found.full):
+            if gloo is not None:
+                gloo.skip_agreement()
+        if isinstance(self._plan, Hierarchy):
+            self._plan.skip_agreement()
+
     @property
     def error(self) -> CollectiveError | None:
         """Return the failure that made this group unusable, or None if it is healthy."""

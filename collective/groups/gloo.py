@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
+from collective.groups.gloo_agree import (
+    HEADER_WIDTH,
+    Call,
+    Carried,
+    Header,
+    message_mismatch,
+    on_buffer,
+)
 from collective.groups.gloo_base import GlooGroupBase
 from collective.groups.gloo_reducescatter import (
     ChunkExchange,
     Scratch,
+    byte_view,
     flat_bytes,
     joined_bytes,
+    reduce_into,
 )
 from collective.groups.gloo_work import (
     Completion,
+    Sequenced,
+    byte_tensor,
     c10d_reduce_op,
     call_options,
     commit_all,
+    int64_tensor,
+    nothing,
 )
 from collective.tensor import CpuBuffer, overlaps
 from collective.types import (
@@ -27,12 +44,13 @@ from collective.types import (
     BroadcastOptions,
     GatherOptions,
     RecvOptions,
+    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
     SendOptions,
 )
-from collective.work import Work
+from collective.work import CompletedWork, Work
 
 _P2P_TAG = 0
 
@@ -53,11 +71,19 @@ class GlooGroup(GlooGroupBase):
             options,
             lambda t: self._pg.allreduce([buf.tensor], call_options("Allreduce", t, reduceOp=op)),
             buf.commit,
+            call=on_buffer("allreduce", buf, reduce_op=options.reduce_op),
+            carried=Carried(buf.bytes, lambda parts: _reduce(buf, parts, options.reduce_op)),
         )
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier."""
-        return self._run("barrier", options, lambda t: self._pg.barrier(call_options("Barrier", t)))
+        return self._run(
+            "barrier",
+            options,
+            lambda t: self._pg.barrier(call_options("Barrier", t)),
+            call=Call("barrier"),
+            carried=Carried(None, lambda _: None),
+        )
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged.
@@ -66,26 +92,43 @@ class GlooGroup(GlooGroupBase):
         """
         is_root = self.rank == options.root_rank
         buf = self._one(tensors, "tensor", writable=is_root)
-        tensor = buf.tensor if is_root else buf.tensor.clone()
         op, root = c10d_reduce_op(options.reduce_op), options.root_rank
+
+        def start(timeout: timedelta | None) -> Any:
+            tensor = buf.tensor if is_root else buf.tensor.clone()
+            reduce_options = call_options("Reduce", timeout, reduceOp=op, rootRank=root)
+            return self._pg.reduce([tensor], reduce_options)
+
+        def complete(parts: np.ndarray) -> None:
+            if is_root:
+                _reduce(buf, parts, options.reduce_op)
+
         return self._run(
             "reduce",
             options,
-            lambda t: self._pg.reduce(
-                [tensor], call_options("Reduce", t, reduceOp=op, rootRank=root)
-            ),
+            start,
             buf.commit,
+            call=on_buffer("reduce", buf, root, options.reduce_op),
+            carried=Carried(buf.bytes, complete),
         )
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensor, in place."""
-        buf = self._one(tensors, "tensor", writable=self.rank != options.root_rank)
+        is_root = self.rank == options.root_rank
+        buf = self._one(tensors, "tensor", writable=not is_root)
         root = options.root_rank
+
+        def complete(parts: np.ndarray) -> None:
+            if not is_root:
+                _write(buf, parts[root])
+
         return self._run(
             "broadcast",
             options,
             lambda t: self._pg.broadcast([buf.tensor], call_options("Broadcast", t, rootRank=root)),
             buf.commit,
+            call=on_buffer("broadcast", buf, root),
+            carried=Carried(buf.bytes if is_root else None, complete),
         )
 
     def allgather(
@@ -103,6 +146,8 @@ class GlooGroup(GlooGroupBase):
             options,
             lambda t: self._pg.allgather(out, [source.tensor], call_options("Allgather", t)),
             lambda: commit_all(outputs),
+            call=on_buffer("allgather", source, length=len(outputs)),
+            carried=Carried(source.bytes, lambda parts: _write_all(outputs, parts)),
         )
 
     def reducescatter(
@@ -122,41 +167,98 @@ class GlooGroup(GlooGroupBase):
         inputs = self._list(tensor_lists, "tensor_list", writable=False)
         if self._scratch is None:
             self._scratch = Scratch()
-        exchange = ChunkExchange(output.tensor, [i.tensor for i in inputs], self._scratch)
+        scratch, laid_out = self._scratch, []
+
+        def start(timeout: timedelta | None) -> Any:
+            # Laid out once the ranks agree: a refused op borrows no scratch.
+            exchange = ChunkExchange(output.tensor, [i.tensor for i in inputs], scratch)
+            laid_out.append(exchange)
+            opts = call_options("AllToAll", timeout)
+            return self._pg.alltoall_base(exchange.received, exchange.sent, [], [], opts)
 
         def finish() -> None:
-            exchange.reduce(options.reduce_op)
+            laid_out[0].reduce(options.reduce_op)
             output.commit()
 
         return self._run(
             "reducescatter",
             options,
-            lambda t: self._pg.alltoall_base(
-                exchange.received, exchange.sent, [], [], call_options("AllToAll", t)
-            ),
+            start,
             finish,
+            call=on_buffer(
+                "reducescatter", output, reduce_op=options.reduce_op, length=len(inputs)
+            ),
         )
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
-        """Send the tensor to ``options.dst_rank``; completes once it has been sent."""
+        """Send the tensor to ``options.dst_rank``; completes once it has been sent.
+
+        The data goes out behind a header of its dtype and size (see ``gloo_agree``).
+        """
         buf = self._one(tensors, "tensor", writable=False)
-        return self._run(
-            "send",
-            options,
-            lambda _: self._pg.send([buf.tensor], options.dst_rank, _P2P_TAG),
-            completion=Completion.DIRECT_WAIT,
-        )
+        dst, header = options.dst_rank, Header.of(buf)
+        words = int64_tensor(header.words())
+
+        def start(_: Any) -> Any:
+            if not self._agreeing:
+                return self._pg.send([buf.tensor], dst, _P2P_TAG)
+            sent = self._pg.send([words], dst, _P2P_TAG)
+            if not header.nbytes:
+                return sent
+            return Sequenced(sent, self._pg.send([buf.tensor], dst, _P2P_TAG))
+
+        return self._run("send", options, start, completion=Completion.DIRECT_WAIT)
 
     def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
-        """Receive from ``options.src_rank`` into the tensor, in place."""
+        """Receive from ``options.src_rank`` into the tensor, in place.
+
+        Raises:
+            ArgumentValueError: the sender sent another dtype or size; its message
+                is dropped and the tensor left unchanged.
+
+        """
         buf = self._one(tensors, "tensor", writable=True)
-        return self._run(
+        if not self._agreeing:
+            return self._recv_into(buf.tensor, options, buf.commit, wait=not options.async_op)
+        lane = f"recv-{options.src_rank}"
+        return self._on_lane(lane, "recv", options, lambda: self._receive(buf, options))
+
+    def _receive(self, buf: CpuBuffer, options: RecvOptions) -> Work:
+        """Receive a send's header, then its data: into ``buf`` if they match, else dropped."""
+        words = int64_tensor([0] * HEADER_WIDTH)
+        self._recv_into(words, options)
+        sent = Header(*words.tolist())
+        error = message_mismatch(self.group_name, sent, Header.of(buf), options.src_rank, self.rank)
+        work: Work = CompletedWork()
+        if error is not None:
+            if sent.nbytes:
+                self._recv_into(byte_tensor(sent.nbytes), options)
+            raise error
+        if sent.nbytes:
+            work = self._recv_into(buf.tensor, options, buf.commit)
+        else:
+            buf.commit()
+        return work
+
+    def _recv_into(
+        self,
+        tensor: Any,
+        options: RecvOptions,
+        finish: Callable[[], None] = nothing,
+        wait: bool = True,
+    ) -> Work:
+        """Receive one message from ``options.src_rank`` into ``tensor``; with ``wait``, wait."""
+        src = options.src_rank
+        work = self._start(
             "recv",
             options,
-            lambda _: self._pg.recv([buf.tensor], options.src_rank, _P2P_TAG),
-            buf.commit,
+            lambda _: self._pg.recv([tensor], src, _P2P_TAG),
+            finish,
             Completion.DIRECT_WAIT,
         )
+        if wait:
+            work.wait()
+        return work
 
     def gather(
         self,
@@ -176,6 +278,8 @@ class GlooGroup(GlooGroupBase):
                 out, [source.tensor], call_options("Gather", t, rootRank=root)
             ),
             lambda: commit_all(outputs),
+            call=on_buffer("gather", source, root),
+            carried=Carried(source.bytes, lambda parts: _write_all(outputs, parts)),
         )
 
     def scatter(
@@ -196,6 +300,7 @@ class GlooGroup(GlooGroupBase):
                 [output.tensor], chunks, call_options("Scatter", t, rootRank=root)
             ),
             output.commit,
+            call=on_buffer("scatter", output, root),
         )
 
     def alltoall(
@@ -225,7 +330,7 @@ class GlooGroup(GlooGroupBase):
         def finish() -> None:
             if direct is None:
                 for target, chunk in zip(out, flat_out.split(out_splits), strict=True):
-                    target.reshape(-1).view(torch.uint8).copy_(chunk)
+                    byte_view(target).copy_(chunk)
             commit_all(outs)
 
         return self._run(
@@ -235,4 +340,32 @@ class GlooGroup(GlooGroupBase):
                 flat_out, flat_in, out_splits, in_splits, call_options("AllToAll", t)
             ),
             finish,
+            call=Call(
+                "alltoall",
+                ins[0].dtype if ins else None,
+                length=len(ins),
+                sends=tuple(in_splits),
+                receives=tuple(out_splits),
+            ),
         )
+
+
+def _reduce(buf: CpuBuffer, parts: np.ndarray, op: ReduceOp) -> None:
+    """Reduce every rank's bytes (the rows of ``parts``) into ``buf`` by ``op``, in rank order."""
+    import torch
+
+    out = buf.tensor.view(-1)
+    reduce_into(out, torch.from_numpy(parts).view(out.dtype).unbind(0), op)
+    buf.commit()
+
+
+def _write(buf: CpuBuffer, data: np.ndarray) -> None:
+    """Write the bytes ``data`` into ``buf``."""
+    buf.bytes[:] = data
+    buf.commit()
+
+
+def _write_all(buffers: list[CpuBuffer], parts: np.ndarray) -> None:
+    """Write rank i's bytes (row i of ``parts``) into ``buffers[i]``; none without buffers."""
+    for buf, data in zip(buffers, parts[: len(buffers)], strict=True):
+        _write(buf, data)

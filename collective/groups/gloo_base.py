@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.groups.base import BaseGroup
+from collective.groups.gloo_agree import Call, Carried, Records, disagreement, unpaired
 from collective.groups.gloo_reducescatter import Scratch
 from collective.groups.gloo_work import (
     Completion,
@@ -19,21 +20,26 @@ from collective.groups.gloo_work import (
     InFlight,
     buffer_list,
     c10d,
+    call_options,
     connect_tcp_store,
+    int64_tensor,
     is_timeout,
+    nothing,
     one_buffer,
 )
+from collective.groups.lanes import Lane, Task
 from collective.groups.watch import FailureWatch
 from collective.store import RendezvousStore, meet
 from collective.tensor import DTYPES
 from collective.types import (
     DEFAULT_TIMEOUT,
     Backend,
+    BarrierOptions,
     CollectiveError,
     CollectiveTimeoutError,
     GroupOptions,
 )
-from collective.work import Work
+from collective.work import CompletedWork, Work
 
 
 class GlooGroupBase(BaseGroup):
@@ -73,6 +79,10 @@ class GlooGroupBase(BaseGroup):
         self._in_flight = InFlight()
         self._ops = 0
         """How many collectives this rank has issued on the group (send and recv excepted)."""
+        self._agreeing = world_size > 1
+        """Whether each op first checks that every rank passed the same arguments."""
+        self._lanes: dict[str, Lane] = {}
+        self._records: Records | None = None
         dist = c10d()
         try:
             self._tcp_store = connect_tcp_store(store, rank, host, timeout)
@@ -104,6 +114,10 @@ class GlooGroupBase(BaseGroup):
         except CollectiveError:
             return False
         return True
+
+    def skip_agreement(self) -> None:
+        """Run each op without first checking that the ranks agree on it; see ``BaseGroup``."""
+        self._agreeing = False
 
     def _fail(
         self, op: str, timeout: timedelta, exc: BaseException, number: int = 0
@@ -168,8 +182,10 @@ class GlooGroupBase(BaseGroup):
         op: str,
         options: Any,
         start: Callable[[timedelta | None], Any],
-        finish: Callable[[], None] = lambda: None,
+        finish: Callable[[], None] = nothing,
         completion: Completion = Completion.REPORTED,
+        call: Call | None = None,
+        carried: Carried | None = None,
     ) -> Work:
         """Start one gloo op with ``start(timeout)``; wait for it unless it is async.
 
@@ -178,16 +194,86 @@ class GlooGroupBase(BaseGroup):
         ``finish`` runs once the op has succeeded, to write staged outputs back.
         Any failure leaves the group unusable. Every op is tracked until it has
         ended, so that ``abort`` knows whether any still runs.
+
+        A collective's ``call`` is first agreed on by every rank (see
+        ``gloo_agree``), on the group's collective lane: in the caller's thread
+        when the op is blocking and the lane idle, else on the lane's thread, so
+        that an async op returns at once and the ops reach gloo in issue order.
+        An op that says how it is ``carried`` is done there when its data fits.
+        """
+        if call is None or not self._agreeing:
+            work = self._start(op, options, start, finish, completion)
+            if not options.async_op:
+                work.wait()
+            return work
+
+        def run() -> Work:
+            number = self._next_number(op)
+            if self._agree(call, options, number, carried):
+                return CompletedWork()
+            work = self._start(op, options, start, finish, completion, number)
+            work.wait()
+            return work
+
+        return self._on_lane("collective", op, options, run)
+
+    def _on_lane(self, lane_name: str, op: str, options: Any, run: Callable[[], Work]) -> Work:
+        """Run ``run`` as op ``op`` on the lane ``lane_name``: inline when it can, else queued."""
+        lane = self._lane(lane_name)
+        if not options.async_op and lane.enter():
+            try:
+                return run()
+            finally:
+                lane.leave()
+
+        def body() -> None:
+            run()
+
+        def expired(waited: timedelta) -> BaseException:
+            message = f"timed out waiting {waited} for the op to complete"
+            return self._fail(op, waited, TimeoutError(message), self._ops)
+
+        return lane.submit(Task(body, expired), options.async_op)
+
+    def _lane(self, name: str) -> Lane:
+        with self._in_flight.lock:
+            self._check_usable(destroyed=self._pg is None)
+            lane = self._lanes.get(name)
+            if lane is None:
+                lane = self._lanes[name] = Lane(f"collective-{self.group_name}-{name}")
+            return lane
+
+    def _next_number(self, op: str) -> int:
+        """Count one more collective of this rank; raise if the group cannot run it."""
+        with self._in_flight.lock:
+            self._check_usable(destroyed=self._pg is None)
+            self._ops += 1
+            return self._ops
+
+    def _start(
+        self,
+        op: str,
+        options: Any,
+        start: Callable[[timedelta | None], Any],
+        finish: Callable[[], None] = nothing,
+        completion: Completion = Completion.REPORTED,
+        number: int | None = None,
+    ) -> GlooWork:
+        """Start one gloo op with ``start(timeout)`` and track it.
+
+        ``number`` is the op's place among the group's collectives; None counts a
+        new one, except for send and recv (0).
         """
         if self._error is None and self._watch is not None and self._watch.failure is not None:
             self._abort(op, self._watch.failure)
         timeout = options.timeout or self.timeout
         with self._in_flight.lock:
             self._check_usable(destroyed=self._pg is None)
-            number = 0
-            if completion is not Completion.DIRECT_WAIT:
-                self._ops += 1
-                number = self._ops
+            if number is None:
+                number = 0
+                if completion is not Completion.DIRECT_WAIT:
+                    self._ops += 1
+                    number = self._ops
             try:
                 work = GlooWork(
                     self, op, start(options.timeout), timeout, finish, completion, number
@@ -195,9 +281,74 @@ class GlooGroupBase(BaseGroup):
             except RuntimeError as exc:
                 raise self._fail(op, timeout, exc, number) from exc
             self._in_flight.add(work)
-        if not options.async_op:
-            work.wait()
         return work
+
+    def agree(self, call: Call, timeout: timedelta | None = None) -> None:
+        """Check that every rank is about to run ``call``; no data moves.
+
+        This is the check each op makes first, for a caller that skips it in the
+        ops (``skip_agreement``) to make it ahead of work of its own.
+
+        Raises:
+            ArgumentValueError: the ranks' calls differ; the same error on every rank.
+            CollectiveError: the exchange itself failed; the group is unusable.
+
+        """
+        options = BarrierOptions(timeout)
+
+        def run() -> Work:
+            self._agree(call, options, self._next_number(call.op))
+            return CompletedWork()
+
+        self._on_lane("collective", call.op, options, run)
+
+    def _agree(self, call: Call, options: Any, number: int, carried: Carried | None = None) -> bool:
+        """Allgather every rank's ``call``; raise the same error on every rank if they differ.
+
+        Returns:
+            Whether the op is done: its data rode in the records, and
+            ``carried.complete`` wrote the result.
+
+        Raises:
+            ArgumentValueError: the ranks passed different arguments; no buffer was written.
+            CollectiveError: the exchange itself failed; the group is unusable.
+
+        """
+        records = self._records
+        if records is None:
+            records = self._records = Records(self.world_size)
+        carry = carried is not None and call.nbytes() <= records.room
+        records.fill(call, carried.data if carried is not None and carry else None)
+        self._allgather(call.op, options, records.mine, number, records.gathered)
+        if not records.agreed():
+            raise disagreement(call.op, self.group_name, records.words())
+        if call.op == "alltoall":
+            sizes = int64_tensor([*call.sends, *call.receives])
+            gathered = self._allgather(call.op, options, sizes, number)
+            error = unpaired(self.group_name, gathered.view(self.world_size, -1).tolist())
+            if error is not None:
+                raise error
+        if carried is None or not carry:
+            return False
+        carried.complete(records.data(call.nbytes()))
+        return True
+
+    def _allgather(self, op: str, options: Any, mine: Any, number: int, out: Any = None) -> Any:
+        """Return every rank's ``mine`` (all of one size and dtype), one after another.
+
+        They land in ``out`` when given, else in a new tensor.
+        """
+        import torch
+
+        if out is None:
+            out = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype)
+        self._start(
+            op,
+            options,
+            lambda t: self._pg._allgather_base(out, mine, call_options("Allgather", t)),
+            number=number,
+        ).wait()
+        return out
 
     _one = staticmethod(one_buffer)
     _list = staticmethod(buffer_list)
@@ -214,11 +365,15 @@ class GlooGroupBase(BaseGroup):
         super().abort(reason)
         with self._in_flight.lock:
             pg, running = self._pg, self._in_flight.running()
+            lanes, self._lanes = list(self._lanes.values()), {}
         if running and pg is not None and self.world_size > 1:
             if self._watch is not None:
                 self._watch.report(reason)
             peers = [r for r in range(self.world_size) if r != self.rank]
             self._in_flight.close(pg, peers, running)
+        error = CollectiveError(f"group {self.group_name!r} was aborted: {self._aborted}")
+        for lane in lanes:
+            lane.stop(error)
 
     def destroy_group(self) -> None:
         """Abort pending ops, then drop the process group and the TCPStore, at once."""

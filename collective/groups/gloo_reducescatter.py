@@ -114,16 +114,23 @@ def flat_bytes(chunks: Sequence[Any]) -> Any | None:
     if end == start:
         return torch.empty(0, dtype=torch.uint8)
     if len(chunks) == 1:
-        return first.reshape(-1).view(torch.uint8)
+        return byte_view(first)
     memory = (ctypes.c_uint8 * (end - start)).from_address(start)
     return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+def byte_view(tensor: Any) -> Any:
+    """Return the contiguous ``tensor``'s memory as a flat uint8 tensor (a view)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def joined_bytes(chunks: Sequence[Any], out: Any = None) -> Any:
     """Return the chunks' bytes copied one after another into ``out`` (uint8), or a new tensor."""
     import torch
 
-    return torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks], out=out)
+    return torch.cat([byte_view(c) for c in chunks], out=out)
 
 
 _COMBINE: dict[ReduceOp, str] = {
@@ -171,19 +178,26 @@ class ChunkExchange:
 
     def reduce(self, op: ReduceOp) -> None:
         """Reduce the received chunks into the output by ``op``, rank 0's first; free scratch."""
-        import torch
-
         out = self._output.view(-1)
-        parts = self.received.view(out.dtype).view(self._n, -1)
-        if self._n == 1:
-            out.copy_(parts[0])
-        else:
-            combine = getattr(torch, _COMBINE[op])
-            combine(parts[0], parts[1], out=out)
-            for part in parts[2:]:
-                combine(out, part, out=out)
-        if op is ReduceOp.AVG:
-            out.div_(self._n)
+        reduce_into(out, list(self.received.view(out.dtype).view(self._n, -1)), op)
         if self._lease is not None:
             self._lease.release()
         self._inputs = []
+
+
+def reduce_into(out: Any, parts: Sequence[Any], op: ReduceOp) -> None:
+    """Reduce ``parts`` (tensors of ``out``'s dtype and size) into ``out`` by ``op``, in order.
+
+    Every rank that reduces the same parts in the same order gets the same bits.
+    """
+    import torch
+
+    if len(parts) == 1:
+        out.copy_(parts[0])
+    else:
+        combine = getattr(torch, _COMBINE[op])
+        combine(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            combine(out, part, out=out)
+    if op is ReduceOp.AVG:
+        out.div_(len(parts))

@@ -98,6 +98,43 @@ def buffer_list(
     return [CpuBuffer(t, f"{name}[{i}]", writable) for i, t in enumerate(tensor_lists[0])]
 
 
+def int64_tensor(words: list[int]) -> Any:
+    """Return a new int64 torch tensor of ``words``: a control message of a gloo op."""
+    import torch
+
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def byte_tensor(nbytes: int) -> Any:
+    """Return a new uint8 torch tensor of ``nbytes``, to receive a message into and drop."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class Sequenced:
+    """Two torch works of one op, waited for as one: a send's header, then its data."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        """Wait for ``first``, then ``second``."""
+        self._first = first
+        self._second = second
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for both works, within ``timeout`` in all; raise as torch does."""
+        if timeout is None:
+            self._first.wait()
+            return bool(self._second.wait())
+        deadline = time.monotonic() + timeout.total_seconds()
+        self._first.wait(timeout)
+        left = max(deadline - time.monotonic(), 0.001)
+        return bool(self._second.wait(timedelta(seconds=left)))
+
+    def is_completed(self) -> bool:
+        """Return whether both works have finished."""
+        return bool(self._first.is_completed() and self._second.is_completed())
+
+
 def commit_all(buffers: Sequence[CpuBuffer]) -> None:
     """Write every staged buffer of an op back into its user buffer."""
     for buffer in buffers:
@@ -197,7 +234,7 @@ class GlooWork(OnceWork):
             self._finish()
             self._owner._in_flight.discard(self)
         self._torch_work = None
-        self._finish = _nothing
+        self._finish = nothing
 
     def _give_up(self, timeout: timedelta | None) -> BaseException:
         effective = timeout or self._timeout or DEFAULT_TIMEOUT
@@ -237,7 +274,7 @@ class GlooWork(OnceWork):
         self._join_background(seconds)
 
 
-def _nothing() -> None:
+def nothing() -> None:
     """Do nothing: the ``finish`` of an op with no staged output."""
 
 

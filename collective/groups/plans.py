@@ -6,14 +6,17 @@ intra- and inter-node transports:
 
 - allreduce: reduce onto the leader in shared memory, allreduce among leaders,
   broadcast from the leader in shared memory;
-- reduce: the same, with the result sent from the root node's leader to the root;
-- broadcast: the root sends to its leader, leaders broadcast, leaders broadcast locally;
+- reduce: the same, with the result relayed from the root node's leader to the root;
+- broadcast: the root relays to its leader, leaders broadcast, leaders broadcast locally;
 - allgather: gather onto the leader, allgather among leaders, broadcast locally;
 - reducescatter: reduce the whole input onto the leader, allreduce among leaders,
   scatter each node's chunks locally;
 - barrier: a local barrier, a barrier among leaders, a local barrier.
 
-Leaders' Gloo calls get what is left of the op's deadline as their timeout.
+Leaders' Gloo calls get what is left of the op's deadline as their timeout. Before
+any step, the leaders agree on the op (``GlooGroup.agree``): nodes that disagree
+raise on their leaders before any data moves, instead of gloo aborting the process
+or mixing the data; the leaders' Gloo ops then skip their own agreement.
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ from typing import Any
 import numpy as np
 
 from collective.groups.gloo import GlooGroup
+from collective.groups.gloo_agree import Call, on_buffer
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.solo import Solo
 from collective.groups.topology import Topology
-from collective.tensor import CpuBuffer, bytes_as
+from collective.tensor import CpuBuffer, torch_view
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
     ArgumentError,
+    ArgumentValueError,
     BarrierOptions,
     BroadcastOptions,
     CollectiveError,
@@ -121,6 +126,11 @@ class Flat:
         self.local.alltoall(ins, outs, dtype, deadline)
 
 
+def _tensor(data: np.ndarray, like: CpuBuffer) -> Any:
+    """Return the bytes ``data`` as a torch tensor of ``like``'s dtype, sharing memory."""
+    return torch_view(data, like.torch_dtype)
+
+
 def _left(deadline: float) -> timedelta:
     return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
 
@@ -141,6 +151,33 @@ class Hierarchy:
         self._leaders = leaders
         self._world_size = world_size
         self._reducers = Reducers(world_size)
+        self._agreeing = True
+        if leaders is not None:
+            leaders.skip_agreement()
+
+    def skip_agreement(self) -> None:
+        """Run each op without the leaders' agreement: a wrapper checks every call first."""
+        self._agreeing = False
+
+    def _agree(self, call: Call, deadline: float) -> None:
+        """Have the nodes' leaders agree on the op ``call`` before any data moves.
+
+        Raises:
+            CollectiveError: the nodes passed different arguments (on leaders only);
+                see ``_across``.
+
+        """
+        if not self._agreeing or not self.topo.is_leader:
+            return
+        try:
+            self._across(lambda g: g.agree(call, _left(deadline)))
+        except CollectiveError as exc:
+            if not isinstance(exc.__cause__, ArgumentValueError):
+                raise
+            raise CollectiveError(
+                f"{exc} (the ranks named are the nodes' leaders, ranks {list(self.topo.leaders)} "
+                "of the group)"
+            ) from exc.__cause__
 
     def _local_op(self, op: ReduceOp, dtype: str) -> Reducer:
         """Return the reducer of the local stages: AVG sums, and divides only at the end."""
@@ -166,17 +203,19 @@ class Hierarchy:
 
     def allreduce(self, buf: CpuBuffer, op: ReduceOp, deadline: float) -> None:
         """Reduce into every rank's ``buf``."""
+        self._agree(on_buffer("allreduce", buf, reduce_op=op), deadline)
         dtype, data = buf.dtype, buf.bytes
         self.local.reduce(data, 0, self._local_op(op, dtype), dtype, deadline)
         if self.topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = AllReduceOptions(gloo_op, _left(deadline))
-            self._across(lambda g: g.allreduce([bytes_as(data, buf)], options))
+            self._across(lambda g: g.allreduce([_tensor(data, buf)], options))
             self._finish(op, dtype, data)
         self.local.broadcast(data, 0, dtype, deadline)
 
     def reduce(self, buf: CpuBuffer, op: ReduceOp, root: int, deadline: float) -> None:
         """Reduce onto ``root``'s ``buf``; every other rank's stays as it was."""
+        self._agree(on_buffer("reduce", buf, root, op), deadline)
         topo, dtype = self.topo, buf.dtype
         root_node = topo.node_of(root)
         leader_of_root = topo.leaders[root_node]
@@ -186,7 +225,7 @@ class Hierarchy:
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = ReduceOptions(gloo_op, root_node, 0, _left(deadline))
-            self._across(lambda g: g.reduce([bytes_as(data, buf)], options))
+            self._across(lambda g: g.reduce([_tensor(data, buf)], options))
             if topo.node == root_node:
                 self._finish(op, dtype, data)
         if topo.node == root_node and root != leader_of_root:
@@ -195,6 +234,7 @@ class Hierarchy:
 
     def broadcast(self, buf: CpuBuffer, root: int, deadline: float) -> None:
         """Copy ``root``'s ``buf`` into every other rank's; the root's is only read."""
+        self._agree(on_buffer("broadcast", buf, root), deadline)
         topo, dtype = self.topo, buf.dtype
         root_node = topo.node_of(root)
         leader_of_root = topo.leaders[root_node]
@@ -203,11 +243,12 @@ class Hierarchy:
             self.local.relay(data, topo.local_rank_of(root), 0, dtype, deadline)
         if topo.is_leader:
             options = BroadcastOptions(root_node, 0, _left(deadline))
-            self._across(lambda g: g.broadcast([bytes_as(data, buf)], options))
+            self._across(lambda g: g.broadcast([_tensor(data, buf)], options))
         self.local.broadcast(data, 0, dtype, deadline)
 
     def allgather(self, source: CpuBuffer, outputs: list[CpuBuffer], deadline: float) -> None:
         """Write rank i's ``source`` into ``outputs[i]`` on every rank."""
+        self._agree(on_buffer("allgather", source, length=len(outputs)), deadline)
         topo, dtype, piece = self.topo, source.dtype, source.bytes
         size = piece.size
         widest = max(len(ranks) for ranks in topo.nodes)
@@ -217,8 +258,8 @@ class Hierarchy:
         gathered = [mine[i] for i in range(len(topo.local_ranks))]
         self.local.gather(piece, gathered if topo.is_leader else [], 0, dtype, deadline)
         if topo.is_leader:
-            rows = [bytes_as(block[n].reshape(-1), source) for n in range(len(topo.nodes))]
-            ours = bytes_as(mine.reshape(-1).copy(), source)
+            rows = [_tensor(block[n].reshape(-1), source) for n in range(len(topo.nodes))]
+            ours = _tensor(mine.reshape(-1).copy(), source)
             self._across(lambda g: g.allgather([rows], [ours], AllGatherOptions(_left(deadline))))
         self.local.broadcast(full, 0, dtype, deadline)
         for node, ranks in enumerate(topo.nodes):
@@ -229,6 +270,7 @@ class Hierarchy:
         self, output: CpuBuffer, inputs: list[CpuBuffer], op: ReduceOp, deadline: float
     ) -> None:
         """Reduce ``inputs[i]`` of every rank into rank i's ``output``."""
+        self._agree(on_buffer("reducescatter", output, reduce_op=op, length=len(inputs)), deadline)
         topo, dtype = self.topo, output.dtype
         size = output.bytes.size
         whole = np.concatenate([i.bytes for i in inputs]) if inputs else np.zeros(0, np.uint8)
@@ -236,13 +278,14 @@ class Hierarchy:
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
             options = AllReduceOptions(gloo_op, _left(deadline))
-            self._across(lambda g: g.allreduce([bytes_as(whole, output)], options))
+            self._across(lambda g: g.allreduce([_tensor(whole, output)], options))
             self._finish(op, dtype, whole)
         chunks = [whole[r * size : (r + 1) * size] for r in topo.local_ranks]
         self.local.scatter(chunks if topo.is_leader else [], output.bytes, 0, dtype, deadline)
 
     def barrier(self, deadline: float) -> None:
         """Return once every rank has entered the barrier."""
+        self._agree(Call("barrier"), deadline)
         self.local.barrier(deadline)
         if self.topo.is_leader:
             self._across(lambda g: g.barrier(BarrierOptions(_left(deadline))))

@@ -4,7 +4,7 @@
 lie, ``cpu`` wraps CPU buffers for the CPU backend and ``cuda`` GPU buffers for NCCL.
 """
 
-from collective.tensor.cpu import CpuBuffer, bytes_as, plain_flat
+from collective.tensor.cpu import CpuBuffer, plain_flat, torch_view
 from collective.tensor.cuda import (
     CUPY_INSTALL_HINT,
     NCCL_DTYPES,
@@ -74,7 +74,6 @@ __all__ = [
     "array_bytes",
     "as_bytes",
     "byte_array",
-    "bytes_as",
     "caller_stream",
     "chunks",
     "copy_of",
@@ -102,6 +101,7 @@ __all__ = [
     "synchronize_device",
     "to_device",
     "to_host",
+    "torch_view",
     "using_stream",
     "writable",
     "write_hazards",

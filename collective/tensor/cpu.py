@@ -86,14 +86,14 @@ def _dense(tensor: Any) -> Any:
     return tensor.as_strided(tensor.shape, strides, tensor.storage_offset())
 
 
-def bytes_as(data: np.ndarray, like: CpuBuffer) -> Any:
-    """Return the flat ``uint8`` array ``data`` as a torch tensor of ``like``'s dtype.
+def torch_view(data: np.ndarray, dtype: Any) -> Any:
+    """Return the flat ``uint8`` array ``data`` as a torch tensor of ``dtype``, sharing memory.
 
-    The tensor shares ``data``'s memory, so writing it writes ``data``.
+    ``data`` may be empty, whatever its stride.
     """
     import torch
 
-    return _dense(torch.from_numpy(data)).view(like.torch_dtype)
+    return _dense(torch.from_numpy(data)).view(dtype)
 
 
 class CpuBuffer:

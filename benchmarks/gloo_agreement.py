@@ -1,0 +1,109 @@
+"""What the Gloo path's agreement costs: each op with it and without it, interleaved.
+
+Usage: python -m benchmarks.gloo_agreement [--rounds N] [--sizes 8,64K,16M] [--iters N]
+
+Two ranks run as processes on this host and meet on a TCPStore. They build two
+``GlooGroup``s: "with" as built, "without" told to skip the agreement
+(``skip_agreement``), which leaves the op alone. Every op runs on both, in alternating
+blocks, so that both see the same load. Prints, per op and size, the median over
+every iteration and the range of the per-round medians, in microseconds; an
+iteration counts the slower rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+MODES = ("without", "with")
+OPS = ("allreduce", "broadcast")
+TIMEOUT = timedelta(seconds=120)
+
+
+def _rank(rank: int, port: int, name: str, args: argparse.Namespace, results: Any) -> None:
+    """Time every (op, size, mode) block of every round; send the times back."""
+    import torch.distributed as dist
+
+    from collective.groups.gloo import GlooGroup
+    from collective.store import PrefixedRendezvousStore, TCPRendezvousStore
+    from collective.types import AllReduceOptions, BroadcastOptions
+
+    store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
+    groups = {
+        mode: GlooGroup(2, rank, name, PrefixedRendezvousStore(store, f"{mode}/"), TIMEOUT)
+        for mode in MODES
+    }
+    groups["without"].skip_agreement()
+    calls = {
+        "allreduce": lambda g, x: g.allreduce([x], AllReduceOptions()),
+        "broadcast": lambda g, x: g.broadcast([x], BroadcastOptions(root_rank=0)),
+    }
+    times: dict[tuple[str, int, str], list[list[float]]] = {}
+    for _ in range(args.rounds):
+        for size in args.sizes:
+            x = np.ones(max(size // 4, 1), dtype=np.float32)
+            iters = args.iters if size < 1 << 20 else max(args.iters // 10, 2)
+            for op in OPS:
+                for mode, group in groups.items():
+                    calls[op](group, x)
+                    block = []
+                    for _ in range(iters):
+                        start = time.perf_counter()
+                        calls[op](group, x)
+                        block.append(time.perf_counter() - start)
+                    times.setdefault((op, size, mode), []).append(block)
+    results.put((rank, times))
+    for group in groups.values():
+        group.destroy_group()
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    text = text.strip().upper()
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    """Run the benchmark; print and return one line per op, size and mode."""
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--sizes", type=lambda s: [_size(p) for p in s.split(",")])
+    args = parser.parse_args(argv)
+    args.sizes = args.sizes or [8, 64 << 10, 16 << 20]
+    context = multiprocessing.get_context("spawn")
+    master = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
+    results = context.Queue()
+    name = f"agreement-{uuid.uuid4().hex[:8]}"
+    ranks = [
+        context.Process(target=_rank, args=(r, master.port, name, args, results)) for r in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    times = dict(results.get(timeout=1800) for _ in ranks)
+    for process in ranks:
+        process.join(60)
+    lines = []
+    for key, blocks in times[0].items():
+        slower = [np.maximum(a, b) for a, b in zip(blocks, times[1][key], strict=True)]
+        median = float(np.median(np.concatenate(slower))) * 1e6
+        rounds = [float(np.median(b)) * 1e6 for b in slower]
+        op, size, mode = key
+        lines.append(
+            f"{op:10s} {size:>9d} B  {mode:8s} median {median:9.0f} us, "
+            f"rounds {min(rounds):.0f}-{max(rounds):.0f} us"
+        )
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""What the ranks of a Gloo group agree on before an op moves data, and how they say it.
+
+gloo moves bytes only: ranks that pass different sizes make it abort the process
+(its receive finds more bytes than it posted), and ranks that pass different
+dtypes or reductions get mixed data without an error. So before every collective
+each rank describes its call (``Call``) in ``WIDTH`` int64 words, the ranks
+allgather them in one record each, and every rank compares all of them
+(``disagreement``). Alltoall then allgathers each rank's bytes per peer. A send
+goes out behind a header of its dtype and size, which the receiver compares with
+its own buffer (``Header``). ``gloo_base`` runs these exchanges.
+
+A record has room for ``capacity(world_size)`` bytes of data besides the words.
+An op whose data fits (``Carried``) rides in it: once the ranks agree, each one
+finishes the op from the records, and no other exchange is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from collective import signature
+from collective.tensor import CpuBuffer
+from collective.types import ArgumentValueError, ReduceOp
+
+UNSET = signature.UNSET
+"""The word of a field the op does not use."""
+
+WIDTH = 6
+"""The int64 words of one rank's description of a collective."""
+
+_OPS = signature.OPS
+_DTYPES = signature.DTYPE_NAMES
+_DTYPE_CODES = {name: i for i, name in enumerate(_DTYPES)}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1}
+_ITEMSIZE |= {"int32": 4, "int64": 8, "bool": 1}
+
+CARRY_BUDGET = 16 << 10
+"""The data bytes all ranks' records hold together; each record gets its share, in words.
+
+One allgather of records this size takes as long as one of the words alone (loopback,
+2 ranks: 300-450 us at 48 B and at 16 KiB alike), and a big op pays it too."""
+
+
+def capacity(world_size: int) -> int:
+    """Return the data bytes one rank's record holds in a group of ``world_size`` ranks."""
+    return CARRY_BUDGET // world_size // 8 * 8
+
+
+@dataclass(frozen=True)
+class Call:
+    """One rank's collective as the other ranks must see it too.
+
+    ``count`` is the elements of the buffer every rank passes (the input of
+    allgather and gather, the output of reducescatter and scatter); ``length`` the
+    buffers in the op's list where every rank has one. ``sends`` and ``receives``
+    are alltoall's bytes to and from each peer.
+    """
+
+    op: str
+    dtype: str | None = None
+    count: int = UNSET
+    root: int = UNSET
+    reduce_op: ReduceOp | None = None
+    length: int = UNSET
+    sends: tuple[int, ...] = ()
+    receives: tuple[int, ...] = ()
+
+    def nbytes(self) -> int:
+        """Return the bytes of the buffer every rank passes (0 without one)."""
+        return 0 if self.dtype is None else self.count * _ITEMSIZE[self.dtype]
+
+    def words(self) -> list[int]:
+        """Return the ``WIDTH`` words that every rank compares."""
+        return [
+            _OPS.index(self.op),
+            UNSET if self.dtype is None else _DTYPE_CODES[self.dtype],
+            self.count,
+            self.root,
+            UNSET if self.reduce_op is None else self.reduce_op.value,
+            self.length,
+        ]
+
+
+@dataclass(frozen=True)
+class Carried:
+    """How a collective rides in its agreement when its data fits in the records.
+
+    ``data`` is this rank's ``Call.nbytes`` bytes (a flat uint8 numpy array), or
+    None where the rank sends none (off the root of a broadcast); ``complete``
+    writes this rank's result from every rank's carried bytes: the rows of a uint8
+    numpy array, in rank order.
+    """
+
+    data: np.ndarray | None
+    complete: Callable[[np.ndarray], None]
+
+
+class Records:
+    """A group's agreement records: this rank's, and all ranks' after the allgather.
+
+    The buffers serve op after op; the group runs one agreement at a time. Bytes
+    past an op's data keep an earlier op's, which went to the same ranks.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        """Make the buffers of a group of ``world_size`` ranks."""
+        import torch
+
+        self.room = capacity(world_size)
+        width = WIDTH * 8 + self.room
+        self._mine = np.zeros(width, dtype=np.uint8)
+        self._rows = np.zeros((world_size, width), dtype=np.uint8)
+        self.mine = torch.from_numpy(self._mine)
+        """This rank's record, as gloo sends it."""
+        self.gathered = torch.from_numpy(self._rows.reshape(-1))
+        """Every rank's record, one after another, as gloo receives them."""
+
+    def fill(self, call: Call, data: np.ndarray | None) -> None:
+        """Write ``call``'s words and, if given, ``data`` into this rank's record."""
+        self._mine[: WIDTH * 8].view(np.int64)[:] = call.words()
+        if data is not None:
+            self._mine[WIDTH * 8 : WIDTH * 8 + data.size] = data
+
+    def agreed(self) -> bool:
+        """Return whether every rank's gathered words are the same."""
+        first = self._rows[0, : WIDTH * 8].tobytes()
+        return all(row[: WIDTH * 8].tobytes() == first for row in self._rows[1:])
+
+    def words(self) -> list[list[int]]:
+        """Return every rank's gathered words."""
+        return np.ascontiguousarray(self._rows[:, : WIDTH * 8]).view(np.int64).tolist()
+
+    def data(self, nbytes: int) -> np.ndarray:
+        """Return every rank's first ``nbytes`` carried bytes, as the rows of a uint8 array."""
+        return self._rows[:, WIDTH * 8 : WIDTH * 8 + nbytes]
+
+
+def on_buffer(
+    op: str,
+    buf: CpuBuffer,
+    root: int = UNSET,
+    reduce_op: ReduceOp | None = None,
+    length: int = UNSET,
+) -> Call:
+    """Return the ``Call`` of ``op`` on ``buf`` with these arguments."""
+    return Call(op, buf.dtype, buf.tensor.numel(), root, reduce_op, length)
+
+
+def _shown(words: Sequence[int]) -> dict[str, str]:
+    """Return the fields of one rank's words as the error message names them."""
+    op, dtype, count, root, reduce_op, length = words
+    shown = {
+        "op": _OPS[op],
+        "dtype": _DTYPES[dtype] if dtype != UNSET else UNSET,
+        "elements": count,
+        "root": root,
+        "reduce op": ReduceOp(reduce_op).name if reduce_op != UNSET else UNSET,
+        "list length": length,
+    }
+    return {field: "none" if value == UNSET else str(value) for field, value in shown.items()}
+
+
+def _error(op: str, group_name: str, lines: list[str]) -> ArgumentValueError:
+    return ArgumentValueError(
+        f"{op} on group {group_name!r}: the ranks passed different arguments, and no "
+        "buffer was written; " + "; ".join(lines)
+    )
+
+
+def disagreement(op: str, group_name: str, words: Sequence[Sequence[int]]) -> ArgumentValueError:
+    """Return the error of a collective whose ranks' ``words`` differ, naming how.
+
+    Every rank sees the same words, so every rank raises the same error.
+    """
+    return _error(op, group_name, signature.differences([_shown(row) for row in words]))
+
+
+def unpaired(group_name: str, sizes: Sequence[Sequence[int]]) -> ArgumentValueError | None:
+    """Return the error of an alltoall whose sizes do not pair up, or None when they do.
+
+    ``sizes[i]`` is rank i's bytes to each peer, then its bytes from each peer.
+    """
+    n = len(sizes)
+    sends = [row[:n] for row in sizes]
+    receives = [row[n:] for row in sizes]
+    lines = signature.unpaired(sends, receives, "bytes")
+    return _error("alltoall", group_name, lines) if lines else None
+
+
+HEADER_WIDTH = 3
+"""The int64 words of a send's header: dtype, elements, bytes."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a send carries ahead of its data, for the receiver to compare with its buffer."""
+
+    dtype: int
+    count: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, buf: CpuBuffer) -> Header:
+        """Return the header of a send or receive of ``buf``."""
+        tensor = buf.tensor
+        return cls(_DTYPE_CODES[buf.dtype], tensor.numel(), tensor.numel() * tensor.element_size())
+
+    def words(self) -> list[int]:
+        """Return the header as the words it travels in."""
+        return [self.dtype, self.count, self.nbytes]
+
+    def describe(self) -> str:
+        """Return the header as a buffer, e.g. ``float32[8]``."""
+        return f"{_DTYPES[self.dtype]}[{self.count}]"
+
+
+def message_mismatch(
+    group_name: str, sent: Header, expected: Header, sender: int, receiver: int
+) -> ArgumentValueError | None:
+    """Return the receiver's error for a message unlike its buffer, or None when they match."""
+    if sent == expected:
+        return None
+    return ArgumentValueError(
+        f"recv on group {group_name!r}: rank {sender} sent {sent.describe()}, but rank "
+        f"{receiver} receives into {expected.describe()}; the message was dropped and "
+        "nothing was written"
+    )
