@@ -1,22 +1,38 @@
 """Sphinx configuration of the collective documentation site.
 
-Pages that another step may or may not have produced are handled here, so that
-``sphinx-build -W`` passes either way: the toctree lists optional pages only when
-their files exist, and the performance page shows the benchmark results only when
-``docs/performance/results.md`` and ``docs/performance/busbw.png`` exist.
+The site is split by what the reader came for (Diátaxis): get started, how-to guides,
+reference and explanation, one section page each, listed in ``SECTIONS``. Parts of
+some pages are generated when the site is built, from the code and the committed
+benchmark runs, so they cannot drift:
+
+- each section page's table of contents (``@generated@``), listing optional pages
+  (``OPTIONAL``) only when their files exist;
+- the API reference (``api``) and the backend internals page (``backends``), grouped
+  by topic in ``API_TOPICS`` and ``BACKEND_NAMES``; every name of ``collective.__all__``
+  is on exactly one of them, or the build fails;
+- the landing page's three numbers (``@headlines@``) and the performance page's
+  summary, plot, method and full tables, from ``docs/performance/results.json``,
+  ``busbw.png``, ``bulk.json`` and ``bulk.png``. Without them the pages say how to
+  make them.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from sphinx.application import Sphinx
+from sphinx.errors import ExtensionError
 
 DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS / "_ext"))
 sys.path.insert(0, str(DOCS.parent))
+
+import perf_pages  # noqa: E402
 
 import collective  # noqa: E402
 
@@ -34,97 +50,395 @@ extensions = [
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "guide.md", "performance/**"]
+exclude_patterns = ["_build", "_generated", "guide.md", "performance/**"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 autodoc_member_order = "bysource"
+toc_object_entries = False
+"""The page tables of contents list the API's topics, not every function."""
 myst_heading_anchors = 3
-html_theme = "alabaster"
+myst_enable_extensions = ["attrs_block"]
+
+html_theme = "pydata_sphinx_theme"
 html_title = f"collective {release}"
+html_static_path = ["_static"]
+html_css_files = ["collective.css"]
+html_theme_options = {
+    "navbar_align": "left",
+    "header_links_before_dropdown": 4,
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+    "secondary_sidebar_items": ["page-toc"],
+    "footer_start": ["copyright"],
+    "footer_end": ["theme-version"],
+}
+html_sidebars = {"index": []}
+html_context = {"default_mode": "light"}
 
-PAGES = [
-    "quickstart",
-    "examples",
-    "concepts",
-    "data-movement",
-    "support-matrix",
-    "weight-sync",
-    "migration",
-    "nccl",
-    "performance",
-    "troubleshooting",
-    "failure-model",
-    "api",
+SECTIONS = {
+    "get-started": ["quickstart", "examples"],
+    "how-to": ["weight-sync", "elastic", "nccl", "migration"],
+    "reference": ["api", "backends", "support-matrix", "troubleshooting"],
+    "explanation": ["concepts", "data-movement", "failure-model", "performance"],
+}
+"""Each section page's pages, in order: what the navigation bar and sidebars show."""
+
+OPTIONAL = {"elastic"}
+"""Pages that another change adds: listed only when their file exists."""
+
+PAGES = [page for pages in SECTIONS.values() for page in pages]
+"""Every page below a section, in order."""
+
+API_TOPICS: list[tuple[str, str, list[str]]] = [
+    (
+        "Groups",
+        "Make a group of your actors, declare one from the driver, split one, end one.",
+        [
+            "init_collective_group",
+            "declare_collective_group",
+            "create_collective_group",
+            "new_group",
+            "destroy_collective_group",
+            "destroy_all_collective_groups",
+            "Backend",
+        ],
+    ),
+    (
+        "Ops",
+        "One buffer per rank. Every op writes its outputs in place and returns ``None``, "
+        "or a ``Work`` with ``async_op=True``.",
+        [
+            "allreduce",
+            "reduce",
+            "broadcast",
+            "allgather",
+            "reducescatter",
+            "send",
+            "recv",
+            "barrier",
+            "gather",
+            "scatter",
+            "alltoall",
+            "alltoall_single",
+            "ReduceOp",
+            "Work",
+        ],
+    ),
+    (
+        "Many tensors",
+        "A whole model in one call: weights matched by name or by index, gradients in buckets.",
+        ["broadcast_state_dict", "broadcast_tensors", "allreduce_tensors"],
+    ),
+    (
+        "Elastic groups",
+        "Go on without a dead rank, or take in new ones, under the same group name.",
+        ["shrink_group", "grow_group", "shrink_declared_group", "grow_declared_group"],
+    ),
+    (
+        "Several GPUs per actor",
+        "Ray's ``*_multigpu`` calls, one tensor per local GPU, on NCCL groups.",
+        [
+            "allreduce_multigpu",
+            "reduce_multigpu",
+            "broadcast_multigpu",
+            "allgather_multigpu",
+            "reducescatter_multigpu",
+            "send_multigpu",
+            "recv_multigpu",
+            "synchronize",
+        ],
+    ),
+    (
+        "Queries",
+        "Ask which groups exist, who is in them, and which backends this process can run.",
+        [
+            "get_rank",
+            "get_collective_group_size",
+            "is_group_initialized",
+            "list_collective_groups",
+            "get_collective_groups",
+            "get_group_handle",
+            "is_backend_available",
+            "gloo_available",
+            "nccl_available",
+        ],
+    ),
+    (
+        "Errors",
+        "Every error is a ``RuntimeError``; argument errors are also a ``ValueError`` or "
+        "``TypeError``. :doc:`troubleshooting` says what each means and what to do.",
+        [
+            "CollectiveError",
+            "CollectiveTimeoutError",
+            "GroupNotFoundError",
+            "ArgumentError",
+            "ArgumentValueError",
+            "ArgumentTypeError",
+        ],
+    ),
 ]
-"""The toctree's pages, in order."""
+"""The API reference's topics: a title, a one-line summary and the names, in order."""
 
-RESULTS = DOCS / "performance" / "results.md"
-PLOT = DOCS / "performance" / "busbw.png"
+BACKEND_NAMES = ["register_collective_backend", "BaseGroup"]
+"""The names on the backend internals page."""
+
+PERF = DOCS / "performance"
+RESULTS_JSON = PERF / "results.json"
+PLOT = PERF / "busbw.png"
+BULK_JSON = PERF / "bulk.json"
+BULK_PLOT = PERF / "bulk.png"
+SUMMARY_PLOT = DOCS / "_generated" / "allreduce.png"
+"""Drawn from ``results.json`` at each build; not committed."""
+
 MARKER = "@generated@"
-"""The line in a page's source that ``generate`` replaces."""
-BULK_RESULTS = DOCS / "performance" / "bulk.md"
-BULK_PLOT = DOCS / "performance" / "bulk.png"
-BULK_MARKER = "@bulk@"
-"""The line of the performance page that the many-tensor results replace."""
+"""The line in a page's source that its generator replaces."""
 
 
-def toctree_pages() -> list[str]:
-    """Return the toctree's entries, in order."""
-    return list(PAGES)
+def toctree_pages(section: str) -> list[str]:
+    """Return a section's pages whose files exist, in order."""
+    return [p for p in SECTIONS[section] if p not in OPTIONAL or (DOCS / f"{p}.md").is_file()]
 
 
-def performance_body() -> str:
-    """Return the performance page's body: the results if present, else how to make them.
-
-    The plot is shown above the results unless ``results.md`` shows it itself.
-    """
-    if RESULTS.is_file() and PLOT.is_file():
-        include = "```{include} performance/results.md\n:relative-images:\n```\n"
-        if PLOT.name in RESULTS.read_text(encoding="utf-8"):
-            return include
-        plot = "```{image} performance/busbw.png\n:alt: bus bandwidth against message size\n```\n"
-        return f"{plot}\n{include}"
-    return (
-        "No benchmark results are checked in yet: run `python -m benchmarks` from the "
-        "repository root to produce results, which it writes to `docs/performance/`.\n"
-    )
+SECTION_SUMMARIES = {
+    "get-started": "your first op, then whole programs to copy",
+    "how-to": "one job each",
+    "reference": "every name, knob and error",
+    "explanation": "how it works and how fast",
+}
 
 
-def bulk_body() -> str:
-    """Return the many-tensor results if ``python -m benchmarks.bulk`` wrote them, else how to."""
-    if BULK_RESULTS.is_file() and BULK_PLOT.is_file():
-        return "```{include} performance/bulk.md\n:relative-images:\n```\n"
-    return (
-        "No many-tensor results are checked in yet: run `python -m benchmarks.bulk "
-        "--json docs/performance/bulk.json --plot docs/performance/bulk.png "
-        "--markdown docs/performance/bulk.md`.\n"
-    )
+def source(page: str) -> Path:
+    """Return a page's source file."""
+    return next(path for path in DOCS.glob(f"{page}.*") if path.suffix in source_suffix)
 
 
-def api_body() -> str:
-    """Return autodoc directives for every name in ``collective.__all__``."""
+def title(page: str) -> str:
+    """Return a page's title: the first heading of its source."""
+    path = source(page)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".rst":
+        return next(a for a, b in itertools.pairwise(lines) if b and set(b) == {"="})
+    return next(line[2:] for line in lines if line.startswith("# "))
+
+
+def next_body() -> str:
+    """Return the landing page's list of sections, each with its pages."""
     lines = []
-    for name in collective.__all__:
+    for section in SECTIONS:
+        pages = ", ".join(f"[{title(p)}]({source(p).name})" for p in toctree_pages(section))
+        lines.append(
+            f"- **[{title(section)}]({section}.md)**, {SECTION_SUMMARIES[section]}: {pages}."
+        )
+    return "\n".join(lines)
+
+
+def check_api_names() -> None:
+    """Fail the build unless the API pages show every public name exactly once."""
+    shown = [name for _, _, names in API_TOPICS for name in names] + BACKEND_NAMES
+    twice = sorted(name for name, n in Counter(shown).items() if n > 1)
+    missing = sorted(set(collective.__all__) - set(shown))
+    unknown = sorted(set(shown) - set(collective.__all__))
+    if twice or missing or unknown:
+        raise ExtensionError(
+            f"docs/conf.py API_TOPICS: shown twice {twice}, missing {missing}, "
+            f"not in collective.__all__ {unknown}"
+        )
+
+
+def autodoc(names: list[str]) -> list[str]:
+    """Return autodoc directives for ``names`` of the ``collective`` package."""
+    lines = []
+    for name in names:
         if inspect.isclass(getattr(collective, name)):
             lines += [f".. autoclass:: collective.{name}", "   :members:", ""]
         else:
             lines += [f".. autofunction:: collective.{name}", ""]
+    return lines
+
+
+def api_body() -> str:
+    """Return the API reference's topics, each a section with its summary and names."""
+    check_api_names()
+    lines = []
+    for title, summary, names in API_TOPICS:
+        lines += [title, "-" * len(title), "", summary, ""]
+        lines += [", ".join(f":func:`~collective.{n}`" for n in names if not _is_class(n))]
+        lines += [""]
+        lines += autodoc(names)
     return "\n".join(lines)
 
 
-GENERATORS = {
-    "index": lambda: "\n".join(toctree_pages()),
-    "performance": performance_body,
-    "api": api_body,
+def _is_class(name: str) -> bool:
+    return inspect.isclass(getattr(collective, name))
+
+
+def backends_body() -> str:
+    """Return the backend internals' autodoc directives."""
+    check_api_names()
+    return "\n".join(autodoc(BACKEND_NAMES))
+
+
+def runs() -> tuple[dict | None, dict | None]:
+    """Return the committed op sweep and many-tensor run, each None if absent."""
+    return perf_pages.load(RESULTS_JSON), perf_pages.load(BULK_JSON)
+
+
+def headlines_body() -> str:
+    """Return the landing page's three numbers, each linked to the performance page."""
+    results, bulk = runs()
+    rows = perf_pages.points(perf_pages.HEADLINES, results, bulk)
+    if not rows:
+        return "See [performance](performance.md) for how to measure it on your machine.\n"
+    meta = (results or bulk or {}).get("meta", {})
+    return (
+        perf_pages.table(rows, link="performance.md#summary")
+        + "\n\nMedian time per call, with how many times faster `collective` is in "
+        + "brackets, ranks in Ray actors on one node of "
+        + perf_pages.machine(meta)
+        + "; raw Gloo is torch's `ProcessGroupGloo` in plain processes. The "
+        + "[performance page](performance.md#summary) has every op and size, and the "
+        + "commands that measure them.\n"
+    )
+
+
+def summary_body() -> str:
+    """Return the performance page's summary table, the plot and where they come from."""
+    results, bulk = runs()
+    rows = perf_pages.points(perf_pages.SUMMARY, results, bulk)
+    if not rows:
+        return (
+            "No benchmark results are checked in yet: run `python -m benchmarks` from the "
+            "repository root to produce results, which it writes to `docs/performance/`.\n"
+        )
+    meta = (results or bulk or {}).get("meta", {})
+    text = [
+        perf_pages.table(rows),
+        "",
+        "Median time per call of `collective` and of each peer, with how many times "
+        "faster `collective` is in brackets; ranks are Ray actors, on one node of "
+        f"{perf_pages.machine(meta)} unless the row says two nodes. Raw Gloo is torch's "
+        "`ProcessGroupGloo` in plain processes, not in Ray. The 8-byte latency times "
+        "single ops back to back; the other rows are the medians of the full tables "
+        "below. [Method](#method) says how each is measured.",
+        "",
+    ]
+    if results is not None and perf_pages.plot(SUMMARY_PLOT, results):
+        text += [
+            "```{image} _generated/allreduce.png",
+            ":alt: median time per allreduce against message size, for collective, "
+            "ray.util.collective, raw torch Gloo and the shared-memory copy bound",
+            "```",
+            "",
+        ]
+    return "\n".join(text)
+
+
+def method_body() -> str:
+    """Return the machines and commands of the committed runs."""
+    results, bulk = runs()
+    lines = []
+    for name, run in (("The op sweep", results), ("The many-tensor run", bulk)):
+        if run is None:
+            continue
+        meta = run["meta"]
+        versions = ", ".join(
+            f"{name} {meta[key]}"
+            for key, name in (("python", "Python"), ("torch", "torch"), ("ray", "Ray"))
+            if key in meta
+        )
+        load = meta.get("load_average")
+        lines += [
+            f"{name} ran on `{meta.get('machine')}`, {meta.get('cpus')} CPUs"
+            + (f"; {versions}" if versions else "")
+            + f"; {meta.get('seconds')} s"
+            + (f", load average {load[0]} at its end" if load else "")
+            + ":",
+            "",
+            "```bash",
+            perf_pages.wrapped(perf_pages.command(meta)),
+            "```",
+            "",
+        ]
+    return "\n".join(lines) or "No run is checked in yet.\n"
+
+
+def full_body() -> str:
+    """Return the op sweep's goals, latency, bus-bandwidth plot and tables, if a run wrote them."""
+    results = perf_pages.load(RESULTS_JSON)
+    if results is None:
+        return (
+            "No benchmark results are checked in yet: run `python -m benchmarks` from the "
+            "repository root to produce results, which it writes to `docs/performance/`.\n"
+        )
+    parts = [
+        "The op tables give the median time per op at every size; a ✗ marks a point "
+        "whose result was wrong on some rank. `docs/performance/results.json` and "
+        "`results.md` also hold each point's min, max, algbw and busbw, in nccl-tests' "
+        "columns.",
+        "",
+    ]
+    if results.get("goals"):
+        parts += ["### Goals", "", perf_pages.goals_table(results["goals"]), ""]
+    if results.get("latency"):
+        parts += [
+            "### Latency",
+            "",
+            "8-byte allreduces, single ops back to back, each timed by itself:",
+            "",
+            perf_pages.latency_table(results),
+            "",
+        ]
+    if PLOT.is_file():
+        parts += [
+            "### Bus bandwidth",
+            "",
+            "```{image} performance/busbw.png",
+            ":alt: bus bandwidth against message size, a panel per op and world size",
+            "```",
+            "",
+        ]
+    parts += [perf_pages.op_tables(results)]
+    return "\n".join(parts)
+
+
+def bulk_body() -> str:
+    """Return the many-tensor run's plot and tables, if ``python -m benchmarks.bulk`` wrote them."""
+    bulk = perf_pages.load(BULK_JSON)
+    if bulk is None:
+        return (
+            "No many-tensor results are checked in yet: run `python -m benchmarks.bulk "
+            "--json docs/performance/bulk.json --plot docs/performance/bulk.png "
+            "--markdown docs/performance/bulk.md`.\n"
+        )
+    image = ""
+    if BULK_PLOT.is_file():
+        image = "```{image} performance/bulk.png\n:alt: median time per call, by workload\n```\n\n"
+    return image + perf_pages.bulk_tables(bulk)
+
+
+GENERATORS: dict[str, dict[str, Callable[[], str]]] = {
+    **{
+        section: {MARKER: lambda section=section: "\n".join(toctree_pages(section))}
+        for section in SECTIONS
+    },
+    "index": {"@headlines@": headlines_body, "@next@": next_body},
+    "api": {MARKER: api_body},
+    "backends": {MARKER: backends_body},
+    "performance": {
+        "@summary@": summary_body,
+        "@method@": method_body,
+        "@bulk@": bulk_body,
+        MARKER: full_body,
+    },
 }
+"""Each generated page's markers and what replaces them."""
 
 
 def generate(app: Sphinx, docname: str, source: list[str]) -> None:
-    """Replace the marker line of a generated page with its generated text."""
-    if docname in GENERATORS:
-        source[0] = source[0].replace(MARKER, GENERATORS[docname]())
-    if docname == "performance":
-        source[0] = source[0].replace(BULK_MARKER, bulk_body())
+    """Replace the marker lines of a generated page with their generated text."""
+    for marker, body in GENERATORS.get(docname, {}).items():
+        if marker in source[0]:
+            source[0] = source[0].replace(marker, body())
 
 
 def setup(app: Sphinx) -> None:
