@@ -154,7 +154,8 @@ def main() -> int:
     ray.init(address="local", num_cpus=2, namespace="elastic-sgd", include_dashboard=False)
     try:
         workers = [Worker.remote(seed) for seed in range(WORKERS)]
-        joined = ray.get([w.join.remote(WORKERS, r) for r, w in enumerate(workers)], timeout=60)
+        joins = [w.join.remote(WORKERS, r) for r, w in enumerate(workers)]
+        joined = ray.get(joins, timeout=RAY_TIMEOUT_S)
         print(f"{WORKERS} workers in group {GROUP!r}: {joined[1]}")
         runs = [w.train.remote(GROW_AT) for w in workers]
         while min(ray.get([w.progress.remote() for w in workers], timeout=RAY_TIMEOUT_S)) < KILL_AT:
