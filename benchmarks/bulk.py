@@ -25,6 +25,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -221,9 +223,13 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
-def goals_text(goals: list[dict[str, str]]) -> str:
-    """Return the goals as lines: verdict, claim, measured value."""
-    lines = ["# goals (x: the baseline's median time over ours; copy bound: its time over ours)"]
+def goals_text(
+    goals: list[dict[str, str]],
+    heading: str = "# goals (x: the baseline's median time over ours; copy bound: its time "
+    "over ours)",
+) -> str:
+    """Return the goals as lines under ``heading``: verdict, claim, measured value."""
+    lines = [heading]
     lines += [f"{g['verdict'].upper():>12}  {g['claim']}: {g['measured']}" for g in goals]
     return "\n".join(lines)
 
@@ -275,6 +281,29 @@ def start_ray(nodes: int) -> Any:
     return cluster
 
 
+def on_cluster(nodes: int, run: Callable[[int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Call ``run(nodes)`` on a private cluster of ``nodes`` nodes; stop the cluster after."""
+    cluster = start_ray(nodes)
+    try:
+        return run(nodes)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def machine(program: str, argv: list[str], started: float) -> dict[str, Any]:
+    """Return the run's command, machine, Ray version, load and seconds since ``started``."""
+    return {
+        "command": " ".join([program, *argv]),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "ray": ray.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table and goals, write JSON, plot and page; return status."""
     args = arguments(sys.argv[1:] if argv is None else argv)
@@ -286,25 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     if RAY in args.impls and missing:
         args.impls.remove(RAY)
     for nodes in args.nodes:
-        cluster = start_ray(nodes)
-        try:
-            records += measure(args, nodes, with_ray)
-        finally:
-            ray.shutdown()
-            if cluster is not None:
-                cluster.shutdown()
+        records += on_cluster(nodes, partial(measure, args, with_ray=with_ray))
     goals = evaluate(records)
     text = table(records) + "\n\n" + goals_text(goals)
     print(text)
-    meta = {
-        "command": "python -m benchmarks.bulk " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "ray": ray.__version__,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "seconds": round(time.monotonic() - started, 1),
-        "unavailable": {RAY: missing} if missing else {},
-    }
+    meta = machine("python -m benchmarks.bulk", sys.argv[1:] if argv is None else argv, started)
+    meta["unavailable"] = {RAY: missing} if missing else {}
     if args.json:
         data = {"meta": meta, "results": records, "goals": goals}
         args.json.write_text(json.dumps(data, indent=2) + "\n")

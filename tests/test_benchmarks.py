@@ -233,3 +233,44 @@ def test_gloo_agreement_benchmark_times_every_op_with_and_without_the_check() ->
                     mode,
                     lines,
                 )
+
+
+def test_elastic_benchmark_runs_every_row_in_quick_mode(tmp_path: Path) -> None:
+    out_json, out_md = tmp_path / "elastic.json", tmp_path / "elastic.md"
+    command = [sys.executable, "-m", "benchmarks.elastic", "--quick", "--nodes", "1"]
+    command += ["--json", str(out_json), "--markdown", str(out_md)]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads(out_json.read_text())
+    results = data["results"]
+    recoveries, rejoins = ["shrink_group", "destroy + init (3)"], ["grow_group (3 -> 4)"]
+    rejoins.append("destroy + init (4)")
+    assert [r["row"] for r in results] == recoveries + rejoins
+    for r in results:
+        assert (r["nodes"], r["world_size"], r["rounds"], r["transport"]) == (1, 4, 1, "shm")
+        assert r["wrong"] == r["wrong_at_init"] == 0, r
+        recovery = r["row"] in recoveries
+        fields = ["from_error_s", "from_kill_s"] if recovery else ["to_first_op_s"]
+        assert [k for k in r if k.endswith("_s")] == fields, r
+        for field in fields:
+            t = r[field]
+            assert 0 < t["min"] <= t["median"] <= t["max"] < 60, (field, r)
+    goals = data["goals"]
+    assert len(goals) == 2 and {g["verdict"] for g in goals} <= {"pass", "fail"}, goals
+    for g in goals:
+        assert g["claim"] in done.stdout
+    assert "# 4 ranks on 1 node(s), transport shm, rank 2 killed" in done.stdout
+    assert "## Machine and command" in out_md.read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--nodes", "3"], "nodes must be 1 or 2"), (["--rounds", "-1"], "rounds must be")],
+)
+def test_elastic_benchmark_rejects_bad_arguments(flags: list[str], message: str) -> None:
+    command = [sys.executable, "-m", "benchmarks.elastic", *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr

@@ -327,3 +327,59 @@ def test_bad_arguments_raise_before_anything_is_sent(fresh: Any, no_leaks: None)
     with pytest.raises(col.CollectiveError, match="made by init_collective_group"):
         col.shrink_declared_group(actors, name)
     run_all(actors, _destroy, [name] * 2)
+
+
+def test_a_newcomer_that_never_comes_fails_the_grow_by_name_and_the_group_goes_on(
+    fresh: Any, no_leaks: None
+) -> None:
+    actors = fresh(2)
+    name = unique_name("nocomer")
+    _group(actors, name)
+    quick = timedelta(seconds=2)
+    refs = [a.run.remote(_outcome, col.grow_group, name, 3, timeout=quick) for a in actors]
+    messages = ray.get(refs, timeout=RAY_TIMEOUT_S)
+    for message in messages:
+        assert message.startswith("CollectiveTimeoutError"), messages
+        assert "ranks [2] did not" in message, messages
+    assert run_all(actors, _allreduce, [name] * 2, [1.0, 2.0]) == [(0, 2, 3.0), (1, 2, 3.0)]
+    run_all(actors, _destroy, [name] * 2)
+
+
+def test_a_newcomer_that_comes_before_the_grow_waits_for_it(fresh: Any, no_leaks: None) -> None:
+    actors = fresh(3)
+    name = unique_name("early")
+    _group(actors[:2], name)
+    early = actors[2].run.remote(_init, 3, 2, name)
+    time.sleep(1.0)
+    refs = [a.run.remote(_grow, name, 3) for a in actors[:2]]
+    assert ray.get([*refs, early], timeout=RAY_TIMEOUT_S) == [(0, 3), (1, 3), 2]
+    assert run_all(actors, _allreduce, [name] * 3, [1.0] * 3) == [(r, 3, 3.0) for r in range(3)]
+    run_all(actors, _destroy, [name] * 3)
+
+
+def _grow_outcome(name: str, world_size: int) -> tuple[str, float]:
+    message = _outcome(col.grow_group, name, world_size, timeout=TIMEOUT)
+    return message, time.time()
+
+
+def test_a_death_during_a_grow_fails_it_and_the_survivors_shrink(
+    fresh: Any, no_leaks: None
+) -> None:
+    actors = fresh(3)
+    name = unique_name("growdeath")
+    _group(actors, name)
+    refs = [a.run.remote(_grow_outcome, name, 4) for a in actors]
+    time.sleep(1.0)
+    killed = time.time()
+    ray.kill(actors[1])
+    results = ray.get([refs[0], refs[2]], timeout=RAY_TIMEOUT_S)
+    for message, _ in results:
+        assert message.startswith("CollectiveError"), results
+        assert "ranks [1] left or died during grow_group; shrink the group first" in message
+    took = [round(at - killed, 3) for _, at in results]
+    print(f"\nfrom the kill to the failed grow: {took} s")
+    assert max(took) < TIMEOUT.total_seconds() / 2, took
+    survivors = [actors[0], actors[2]]
+    assert [r for r, _, _ in run_all(survivors, _shrink, [name] * 2)] == [0, 1]
+    assert run_all(survivors, _allreduce, [name] * 2, [1.0, 2.0]) == [(0, 2, 3.0), (1, 2, 3.0)]
+    run_all(survivors, _destroy, [name] * 2)
