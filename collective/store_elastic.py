@@ -119,14 +119,7 @@ class ElasticMethods:
             if change.outcome is not None:
                 break
             if time.monotonic() >= deadline:
-                terms = reshape.describe(change.kind, change.world_size, change.exclude)
-                waited = reshape.missing(group)
-                reshape.give_up(
-                    group,
-                    change,
-                    f"ranks {waited} did not call {terms} in time (ranks "
-                    f"{sorted(change.arrived)} did)",
-                )
+                reshape.give_up(group, change, self._late(group, change))
                 break
             await wait_event(change.changed, min(deadline, time.monotonic() + RESHAPE_POLL_S))
             if self._groups.get(name) is group:
@@ -134,6 +127,21 @@ class ElasticMethods:
                 group.mark_dead(await liveness.dead_members(held.values()))
         assert change.outcome is not None
         return change.outcome
+
+    def _late(self, group: GroupState, change: reshape.Reshape) -> str:
+        """Describe who did not come in time to ``change``, members and newcomers apart."""
+        terms = reshape.describe(change.kind, change.world_size, change.exclude)
+        size = group.current.world_size or 0
+        waited = reshape.missing(group)
+        members = [r for r in waited if r < size]
+        newcomers = [r for r in waited if r >= size]
+        parts = [f"ranks {members} did not call {terms}"] if members else []
+        if newcomers:
+            parts.append(
+                f"newcomer ranks {newcomers} did not call "
+                f"init_collective_group(world_size={change.world_size})"
+            )
+        return f"{'; '.join(parts)} in time (ranks {sorted(change.arrived)} did)"
 
     def _retire(self, name: str, old: Incarnation, change: reshape.Reshape) -> None:
         """End ``old``, the incarnation a decided ``change`` replaced; tell its excluded ranks."""

@@ -145,6 +145,11 @@ class GroupState:
                 f"rank {rank} asked for world_size={world_size}, backend={backend!r}, but the "
                 f"group has world_size={world.world_size}, backend={world.backend!r}"
             )
+            if backend == world.backend and world_size > (world.world_size or 0):
+                conflict += (
+                    f"; to add rank {rank} to the live group, its members call "
+                    f"grow_group(world_size={world_size})"
+                )
         elif rank in world.joined and world.joined[rank].key != member.key:
             conflict = f"rank {rank} was already taken by another actor"
         if conflict:

@@ -83,9 +83,6 @@ SECTIONS = {
 }
 """Each section page's pages, in order: what the navigation bar and sidebars show."""
 
-OPTIONAL = {"elastic"}
-"""Pages that another change adds: listed only when their file exists."""
-
 PAGES = [page for pages in SECTIONS.values() for page in pages]
 """Every page below a section, in order."""
 
@@ -194,11 +191,6 @@ MARKER = "@generated@"
 """The line in a page's source that its generator replaces."""
 
 
-def toctree_pages(section: str) -> list[str]:
-    """Return a section's pages whose files exist, in order."""
-    return [p for p in SECTIONS[section] if p not in OPTIONAL or (DOCS / f"{p}.md").is_file()]
-
-
 SECTION_SUMMARIES = {
     "get-started": "your first op, then whole programs to copy",
     "how-to": "one job each",
@@ -225,7 +217,7 @@ def next_body() -> str:
     """Return the landing page's list of sections, each with its pages."""
     lines = []
     for section in SECTIONS:
-        pages = ", ".join(f"[{title(p)}]({source(p).name})" for p in toctree_pages(section))
+        pages = ", ".join(f"[{title(p)}]({source(p).name})" for p in SECTIONS[section])
         lines.append(
             f"- **[{title(section)}]({section}.md)**, {SECTION_SUMMARIES[section]}: {pages}."
         )
@@ -418,7 +410,7 @@ def bulk_body() -> str:
 
 GENERATORS: dict[str, dict[str, Callable[[], str]]] = {
     **{
-        section: {MARKER: lambda section=section: "\n".join(toctree_pages(section))}
+        section: {MARKER: lambda section=section: "\n".join(SECTIONS[section])}
         for section in SECTIONS
     },
     "index": {"@headlines@": headlines_body, "@next@": next_body},

@@ -340,7 +340,9 @@ def test_a_newcomer_that_never_comes_fails_the_grow_by_name_and_the_group_goes_o
     messages = ray.get(refs, timeout=RAY_TIMEOUT_S)
     for message in messages:
         assert message.startswith("CollectiveTimeoutError"), messages
-        assert "ranks [2] did not" in message, messages
+        assert "newcomer ranks [2] did not call init_collective_group(world_size=3)" in message, (
+            messages
+        )
     assert run_all(actors, _allreduce, [name] * 2, [1.0, 2.0]) == [(0, 2, 3.0), (1, 2, 3.0)]
     run_all(actors, _destroy, [name] * 2)
 
@@ -383,3 +385,19 @@ def test_a_death_during_a_grow_fails_it_and_the_survivors_shrink(
     assert [r for r, _, _ in run_all(survivors, _shrink, [name] * 2)] == [0, 1]
     assert run_all(survivors, _allreduce, [name] * 2, [1.0, 2.0]) == [(0, 2, 3.0), (1, 2, 3.0)]
     run_all(survivors, _destroy, [name] * 2)
+
+
+def test_a_newcomer_without_a_grow_is_told_to_have_the_members_grow(
+    fresh: Any, no_leaks: None
+) -> None:
+    actors = fresh(3)
+    name = unique_name("nogrow")
+    _group(actors[:2], name)
+
+    def init() -> str:
+        return _outcome(col.init_collective_group, 3, 2, "gloo", name, timeout=timedelta(seconds=2))
+
+    message = ray.get(actors[2].run.remote(init), timeout=RAY_TIMEOUT_S)
+    assert message.startswith("CollectiveTimeoutError"), message
+    assert "its members call grow_group(world_size=3)" in message, message
+    run_all(actors[:2], _destroy, [name] * 2)
