@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(sys.argv[1:] if argv is None else argv)
     start = time.monotonic()
     run = Run(args)
-    from collective.groups.nccl_comm import unavailable_reason
+    from collective.groups.nccl.comm import unavailable_reason
 
     why = unavailable_reason()
     gpus = 0 if why else int(nccl_peers.cupy_module().cuda.runtime.getDeviceCount())

@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from benchmarks.nccl_ranks import RankContext
-from collective.groups.nccl_comm import cupy_module, encode_unique_id, unique_id_argument
+from collective.groups.nccl.comm import cupy_module, encode_unique_id, unique_id_argument
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

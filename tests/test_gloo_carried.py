@@ -1,8 +1,9 @@
 """Ops whose data rides in the Gloo agreement, and the same ops just too long for it.
 
 A collective whose buffer fits in the agreement's records finishes from them on
-every rank (see ``gloo_agree``); one byte more, and gloo moves the data. Both sides
-of that limit must give the same results, for every dtype and reduction.
+every rank (see ``collective.groups.gloo.agree``); one byte more, and gloo moves the
+data. Both sides of that limit must give the same results, for every dtype and
+reduction.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from collective.groups.base import BaseGroup
-from collective.groups.gloo_agree import capacity
+from collective.groups.gloo.agree import capacity
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from collective.groups.gloo import GlooGroup
-from collective.groups.gloo_reducescatter import HUGE_PAGE_BYTES, Scratch, flat_bytes
+from collective.groups.gloo.reducescatter import HUGE_PAGE_BYTES, Scratch, flat_bytes
 from collective.types import ReduceOp, ReduceScatterOptions
 from tests.test_gloo_group import run_ranks
 

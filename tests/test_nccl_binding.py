@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from collective.groups.nccl_comm import encode_unique_id, unique_id_argument
+from collective.groups.nccl.comm import encode_unique_id, unique_id_argument
 from tests.nccl_binding import INVALID_ARGUMENT, UNHANDLED_CUDA_ERROR, real_nccl, real_runtime
 from tests.nccl_threads import CONTRACT
 

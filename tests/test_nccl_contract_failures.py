@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from collective.groups import nccl_comm
+from collective.groups.nccl import comm as nccl_comm
 from collective.types import AllGatherOptions, AllReduceOptions, CollectiveError
 from collective.types import CollectiveTimeoutError as Timeout
 from tests.nccl_binding import (

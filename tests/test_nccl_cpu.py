@@ -23,7 +23,7 @@ import torch.distributed as dist
 import collective as col
 from collective import tensor
 from collective.groups.nccl import NCCLGroup
-from collective.groups.nccl_comm import (
+from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     UNIQUE_ID_BYTES,
     encode_unique_id,

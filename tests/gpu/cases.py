@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.nccl_ranks import RankContext
-from collective.groups.nccl_comm import unavailable_reason
+from collective.groups.nccl.comm import unavailable_reason
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

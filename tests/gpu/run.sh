@@ -47,7 +47,7 @@ try:
     print(f"torch cuda: {torch.version.cuda}, gpus: {torch.cuda.device_count()}, nccl: {nccl}")
 except Exception as exc:
     print(f"torch cuda: {type(exc).__name__}: {exc}")
-from collective.groups.nccl_comm import unavailable_reason
+from collective.groups.nccl.comm import unavailable_reason
 print(f"collective nccl backend: {unavailable_reason() or 'available'}")
 EOF
 } >"$OUT/env.txt" 2>&1

@@ -2,7 +2,7 @@
 
 ``GlooGroupBase`` connects the ranks, starts each op and waits for it under the
 failure watch, turns torch's errors into ours, and aborts and destroys the group.
-``gloo.GlooGroup`` adds the ops.
+``group.GlooGroup`` adds the ops.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from datetime import timedelta
 from typing import Any
 
 from collective.groups.base import BaseGroup
-from collective.groups.gloo_agree import Call, Carried, Records, disagreement, unpaired
-from collective.groups.gloo_reducescatter import Scratch
-from collective.groups.gloo_work import (
+from collective.groups.gloo.agree import Call, Carried, Records, disagreement, unpaired
+from collective.groups.gloo.reducescatter import Scratch
+from collective.groups.gloo.work import (
     Completion,
     GlooWork,
     InFlight,
@@ -196,7 +196,7 @@ class GlooGroupBase(BaseGroup):
         ended, so that ``abort`` knows whether any still runs.
 
         A collective's ``call`` is first agreed on by every rank (see
-        ``gloo_agree``), on the group's collective lane: in the caller's thread
+        ``agree``), on the group's collective lane: in the caller's thread
         when the op is blocking and the lane idle, else on the lane's thread, so
         that an async op returns at once and the ops reach gloo in issue order.
         An op that says how it is ``carried`` is done there when its data fits.

@@ -3,8 +3,8 @@
 allreduce, reduce and broadcast are one NCCL call per device. allgather and
 reducescatter are grouped broadcasts and reduces straight into the caller's
 buffers, so no staging buffer is allocated. gather, scatter, alltoall, send and
-recv come from ``nccl_p2p``; communicators, streams and launching from
-``nccl_base``. Each op builds its plan, the NCCL calls it makes with their
+recv come from ``p2p``; communicators, streams and launching from
+``base``. Each op builds its plan, the NCCL calls it makes with their
 arguments, which the launcher then issues as one NCCL group.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from collective.groups.nccl_base import Step
-from collective.groups.nccl_comm import NCCL_REDUCE_OPS, buffers_on, per_device
-from collective.groups.nccl_p2p import NcclPointToPoint
+from collective.groups.nccl.base import Step
+from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, per_device
+from collective.groups.nccl.p2p import NcclPointToPoint
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective import tensor
-from collective.groups.nccl_cuda import wait_events
+from collective.groups.nccl.cuda import wait_events
 from collective.store import RendezvousStore
 from collective.tensor import CudaBuffer
 from collective.types import (

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from collective.groups.cpu_base import CpuGroupBase
+from collective.groups.cpu.base import CpuGroupBase
+from collective.groups.cpu.plans import Flat, Hierarchy
 from collective.groups.gloo import GlooGroup
-from collective.groups.gloo_work import buffer_list, commit_all, one_buffer
-from collective.groups.plans import Flat, Hierarchy
+from collective.groups.gloo.work import buffer_list, commit_all, one_buffer
 from collective.groups.shm.mail import Mail
 from collective.groups.shm.short import ShortOps
 from collective.groups.shm.steps import dtype_code

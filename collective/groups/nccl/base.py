@@ -14,7 +14,7 @@ Communicators are made on first use and cached:
   the ID. A gpu index is the CUDA device ordinal the owning process sees.
 
 Streams: every op runs on a per-device comm stream, taken from the process's
-``nccl_cuda.STREAMS`` and never destroyed (see ``StreamPool`` for why), that first
+``cuda.STREAMS`` and never destroyed (see ``StreamPool`` for why), that first
 waits on an event recorded on the caller's current stream (torch's for torch
 tensors, cupy's for cupy arrays). After the op an event is recorded on the comm
 stream. A blocking op (``async_op`` False) makes the caller's current stream wait on
@@ -37,8 +37,8 @@ Locks: the op lock is held for a whole op, including the making of a communicato
 which waits up to the timeout for the peers; the state lock is held for moments
 only, so ``abort`` and ``destroy_group`` never wait for an op or a pending init.
 
-``nccl_p2p.NcclPointToPoint`` adds the ops built on send and recv, and
-``nccl.NCCLGroup`` the collectives.
+``p2p.NcclPointToPoint`` adds the ops built on send and recv, and
+``group.NCCLGroup`` the collectives.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 
 from collective import tensor
 from collective.groups.base import BaseGroup
-from collective.groups.nccl_comm import (
+from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     create_communicators,
     cupy_module,
@@ -60,7 +60,7 @@ from collective.groups.nccl_comm import (
     release_communicators,
     unavailable_reason,
 )
-from collective.groups.nccl_cuda import (
+from collective.groups.nccl.cuda import (
     STREAMS,
     NcclWork,
     follow,

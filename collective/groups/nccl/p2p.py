@@ -11,8 +11,8 @@ from datetime import timedelta
 from typing import Any
 
 from collective import tensor
-from collective.groups.nccl_base import NCCLGroupBase, Step
-from collective.groups.nccl_comm import buffers_on, per_device
+from collective.groups.nccl.base import NCCLGroupBase, Step
+from collective.groups.nccl.comm import buffers_on, per_device
 from collective.tensor import CudaBuffer
 from collective.types import (
     AllToAllOptions,

@@ -1,4 +1,4 @@
-"""GlooGroup: the ops over one torch ``ProcessGroupGloo`` per group (see ``gloo_base``)."""
+"""GlooGroup: the ops over one torch ``ProcessGroupGloo`` per group (see ``base``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.groups.gloo_agree import (
+from collective.groups.gloo.agree import (
     HEADER_WIDTH,
     Call,
     Carried,
@@ -16,8 +16,8 @@ from collective.groups.gloo_agree import (
     message_mismatch,
     on_buffer,
 )
-from collective.groups.gloo_base import GlooGroupBase
-from collective.groups.gloo_reducescatter import (
+from collective.groups.gloo.base import GlooGroupBase
+from collective.groups.gloo.reducescatter import (
     ChunkExchange,
     Scratch,
     byte_view,
@@ -25,7 +25,7 @@ from collective.groups.gloo_reducescatter import (
     joined_bytes,
     reduce_into,
 )
-from collective.groups.gloo_work import (
+from collective.groups.gloo.work import (
     Completion,
     Sequenced,
     byte_tensor,
@@ -159,7 +159,7 @@ class GlooGroup(GlooGroupBase):
         """Reduce element i of every rank's list into rank i's tensor; inputs stay unchanged.
 
         One gloo alltoall sends chunk j to rank j, then each rank reduces what it
-        received, in rank order (see ``gloo_reducescatter``): this beats torch's
+        received, in rank order (see ``reducescatter``): this beats torch's
         gloo reduce_scatter and ``ray.util.collective``'s allreduce per chunk at
         every size measured.
         """
@@ -193,7 +193,7 @@ class GlooGroup(GlooGroupBase):
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Send the tensor to ``options.dst_rank``; completes once it has been sent.
 
-        The data goes out behind a header of its dtype and size (see ``gloo_agree``).
+        The data goes out behind a header of its dtype and size (see ``agree``).
         """
         buf = self._one(tensors, "tensor", writable=False)
         dst, header = options.dst_rank, Header.of(buf)

@@ -1,10 +1,10 @@
 """How a CPU group runs its ops: transports at init, lanes, failures, teardown.
 
-``cpu_connect`` decides at init which transports run (see there). Blocking ops
+``connect`` decides at init which transports run (see there). Blocking ops
 run in the caller's thread; async ones, and sends and receives per peer, on
 lanes (``lanes``) so that each stream keeps its order. A failure seen by one rank
 breaks the group on every rank: the arena's abort word stops the local peers at
-once, and the failure watch tells the rest. ``cpu.CpuGroup`` adds the ops.
+once, and the failure watch tells the rest. ``group.CpuGroup`` adds the ops.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, NoReturn
 
 from collective.groups import progress
 from collective.groups.base import BaseGroup
-from collective.groups.cpu_connect import Member, Transports, connect
+from collective.groups.cpu.connect import Member, Transports, connect
+from collective.groups.cpu.plans import Flat, Hierarchy
 from collective.groups.gloo import GlooGroup
 from collective.groups.lanes import Lane, Task
-from collective.groups.plans import Flat, Hierarchy
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.arena import OP_SEQ
 from collective.groups.shm.mail import Mail, MessageMismatchError
