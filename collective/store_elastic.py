@@ -89,7 +89,9 @@ class ElasticMethods:
     ) -> tuple[str, Any]:
         self._start_sweeping()
         deadline = time.monotonic() + timeout_s
-        group = await self._settled(name)
+        group = self._groups.get(name)
+        if group is None or group.reshape is None:
+            group = await self._settled(name)  # the first caller learns who died
         if group is None or group.current.id != incarnation:
             return "error", self._gone_reason(name, incarnation)
         if kind == reshape.GROW and group.declaration is not None:

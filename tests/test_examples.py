@@ -15,7 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 RUN_TIMEOUT_S = 300
-RUN_ELSEWHERE = {"quickstart.py": "tests/test_docs.py::test_quickstart_runs_as_written"}
+RUN_ELSEWHERE = {
+    "quickstart.py": "tests/test_docs.py::test_quickstart_runs_as_written",
+    "elastic_sgd.py": "tests/test_elastic_example.py",
+    "weight_sync.py": "tests/test_bulk_ray.py::test_weight_sync_example_runs",
+}
 """Examples that another test already runs, and that test."""
 MUST_PRINT = {
     "demo.py": ["live groups in this job: []", "exits by itself"],
