@@ -4,7 +4,8 @@ Each op is issued with ``async_op``, so packing the next bucket overlaps moving 
 one; at most ``DEPTH`` ops are in flight, and each staging buffer is packed again
 only after the op that moved it has finished and its bytes were unpacked. A rank
 holds at most ``DEPTH`` staging buffers of the largest op's size, whatever the total.
-Ranges of big contiguous tensors move in place, with no staging.
+Ranges of big contiguous tensors move in place, with no staging; on a CPU group
+such an op runs in the caller's thread, as there is nothing to overlap it with.
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ def run(moves: Moves) -> None:
                 slots[slot].unpack(items)
             free.append(slot)
 
+    cpu = moves.group.device_type == "cpu"
     for step in moves.steps:
         buffer = _in_place(moves, step)
         slot, items = None, []
+        blocking = cpu and buffer is not None
         if buffer is None:
             if not free and len(slots) == DEPTH:
                 while not free:
@@ -90,7 +93,7 @@ def run(moves: Moves) -> None:
                 buffer = staging.bytes(0, step.nbytes)
             else:
                 buffer = staging.typed(0, step.nbytes // ITEMSIZE[step.dtype], step.dtype)
-        pending.append((_issue(moves, buffer), slot, items))
+        pending.append((_issue(moves, buffer, not blocking), slot, items))
         if len(pending) > DEPTH:
             finish()
     while pending:
@@ -129,12 +132,19 @@ def _items(moves: Moves, step: Step) -> list[tuple[int, Any]]:
     return items
 
 
-def _issue(moves: Moves, buffer: Any) -> Work:
-    """Start the op that moves ``buffer``, asynchronously."""
+def _issue(moves: Moves, buffer: Any, async_op: bool) -> Work:
+    """Start the op that moves ``buffer``: asynchronously, or (``async_op`` False) to its end.
+
+    A CPU op on the caller's own memory has no packing to overlap, and runs faster in
+    the caller's thread than on the group's worker thread (256 MiB in 4 MiB broadcasts
+    at 4 ranks in Ray actors: 66 ms in the caller's thread, 79-109 ms async); it waits
+    behind the ops already in flight, which keep their order.
+    """
     if moves.reduce_op is not None:
-        options = AllReduceOptions(moves.reduce_op, moves.timeout, async_op=True)
-        return moves.group.allreduce([buffer], options)
-    return moves.group.broadcast([buffer], BroadcastOptions(moves.root, 0, moves.timeout, True))
+        reduced = AllReduceOptions(moves.reduce_op, moves.timeout, async_op=async_op)
+        return moves.group.allreduce([buffer], reduced)
+    copied = BroadcastOptions(moves.root, 0, moves.timeout, async_op)
+    return moves.group.broadcast([buffer], copied)
 
 
 class BulkWork(OnceWork):
