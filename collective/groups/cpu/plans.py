@@ -39,7 +39,6 @@ from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
     ArgumentError,
-    ArgumentValueError,
     BarrierOptions,
     BroadcastOptions,
     CollectiveError,
@@ -167,17 +166,8 @@ class Hierarchy:
                 see ``_across``.
 
         """
-        if not self._agreeing or not self.topo.is_leader:
-            return
-        try:
+        if self._agreeing and self.topo.is_leader:
             self._across(lambda g: g.agree(call, _left(deadline)))
-        except CollectiveError as exc:
-            if not isinstance(exc.__cause__, ArgumentValueError):
-                raise
-            raise CollectiveError(
-                f"{exc} (the ranks named are the nodes' leaders, ranks {list(self.topo.leaders)} "
-                "of the group)"
-            ) from exc.__cause__
 
     def _local_op(self, op: ReduceOp, dtype: str) -> Reducer:
         """Return the reducer of the local stages: AVG sums, and divides only at the end."""
@@ -199,7 +189,10 @@ class Hierarchy:
         try:
             call(self._leaders)
         except ArgumentError as exc:
-            raise CollectiveError(f"the nodes' leaders disagree: {exc}") from exc
+            leaders = list(self.topo.leaders)
+            raise CollectiveError(
+                f"{exc} (the ranks named are the nodes' leaders, ranks {leaders} of the group)"
+            ) from exc
 
     def allreduce(self, buf: CpuBuffer, op: ReduceOp, deadline: float) -> None:
         """Reduce into every rank's ``buf``."""
