@@ -129,6 +129,39 @@ def test_buffers_of_zero_or_one_element_with_any_stride_work_across_nodes(
         assert out == [0, [10.0], [3.0], [0, 0, 0, 0]], out
 
 
+def _odd_call(rank: int, name: str, case: str) -> tuple[str, list[float]]:
+    """Rank 3 (not a leader) passes another reduction or root; say how the op ended."""
+    x = np.full(4, float(rank + 1))
+    odd = rank == 3
+    try:
+        if case == "allreduce AVG":
+            col.allreduce(x, name, col.ReduceOp.AVG if odd else col.ReduceOp.SUM)
+        elif case == "broadcast root":
+            col.broadcast(x, 1 if odd else 0, name)
+        else:
+            col.reduce(x, 1 if odd else 0, name)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", x.tolist()
+    return "", x.tolist()
+
+
+@pytest.mark.parametrize("case", ["allreduce AVG", "broadcast root", "reduce root"])
+def test_a_rank_off_the_leaders_that_disagrees_is_an_error_on_every_rank(
+    actors: list[Any], case: str
+) -> None:
+    name = unique_name("odd")
+    run_all(actors, _init, range(4), [name] * 4)
+    try:
+        outcomes = run_all(actors, _odd_call, range(4), [name] * 4, [case] * 4)
+    finally:
+        run_all(actors, _destroy, [name] * 4)
+    for rank, (error, x) in enumerate(outcomes):
+        assert error, f"rank {rank} returned from a mismatched {case}: {x}"
+        assert x == [float(rank + 1)] * 4, f"rank {rank}'s buffer was written: {x}"
+    odd_node = [error for error, _ in outcomes[2:]]
+    assert all("rank 3 called" in e or "rank 2 called" in e for e in odd_node), odd_node
+
+
 def test_a_death_on_one_node_reaches_every_rank_on_the_other_at_once(actors: list[Any]) -> None:
     name = unique_name("death")
     extra = Member.options(resources={"node_b": 1}).remote()

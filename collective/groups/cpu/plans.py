@@ -14,9 +14,10 @@ intra- and inter-node transports:
 - barrier: a local barrier, a barrier among leaders, a local barrier.
 
 Leaders' Gloo calls get what is left of the op's deadline as their timeout. Before
-any step, the leaders agree on the op (``GlooGroup.agree``): nodes that disagree
-raise on their leaders before any data moves, instead of gloo aborting the process
-or mixing the data; the leaders' Gloo ops then skip their own agreement.
+any step, each node's ranks agree on the whole op in shared memory, then the leaders
+agree on it (``GlooGroup.agree``): ranks that disagree raise before any data moves,
+instead of gloo aborting the process or a stage mixing the data; the leaders' Gloo
+ops then skip their own agreement.
 """
 
 from __future__ import annotations
@@ -159,14 +160,27 @@ class Hierarchy:
         self._agreeing = False
 
     def _agree(self, call: Call, deadline: float) -> None:
-        """Have the nodes' leaders agree on the op ``call`` before any data moves.
+        """Have every rank agree on the op ``call`` before any data moves.
+
+        First each node's ranks compare their calls in shared memory, then the
+        nodes' leaders compare theirs over Gloo. The stages that follow carry only
+        their own arguments (a local stage knows no root on another node, and sums
+        where the user asked for AVG), so a rank that is not a leader is checked
+        here or not at all.
 
         Raises:
+            MismatchError: this node's ranks passed different arguments (on every
+                rank of the node; the group breaks, and the other nodes learn it).
             CollectiveError: the nodes passed different arguments (on leaders only);
                 see ``_across``.
 
         """
-        if self._agreeing and self.topo.is_leader:
+        if not self._agreeing:
+            return
+        reduce_op = -1 if call.reduce_op is None else call.reduce_op.value
+        dtype = call.dtype or ""
+        self.local.agree(call.op, dtype, reduce_op, call.root, call.nbytes(), deadline)
+        if self.topo.is_leader:
             self._across(lambda g: g.agree(call, _left(deadline)))
 
     def _local_op(self, op: ReduceOp, dtype: str) -> Reducer:

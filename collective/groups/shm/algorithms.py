@@ -55,8 +55,29 @@ class Collectives:
 
     def barrier(self, deadline: float) -> None:
         """Return once every local rank has entered the barrier."""
+        self.steps.begin("barrier")
+        self._meet(deadline)
+
+    def agree(
+        self, kind: str, dtype: str, reduce_op: int, root: int, nbytes: int, deadline: float
+    ) -> None:
+        """Check that every local rank is about to run the same whole op; no data moves.
+
+        ``root`` is a rank of the group and ``reduce_op`` the user's reduction: a
+        group that spans nodes checks the call this way before its stages, which
+        carry neither.
+
+        Raises:
+            MismatchError: a local rank was called with another op or other arguments;
+                every local rank raises it.
+
+        """
+        self.steps.begin_whole(kind, dtype, reduce_op, root, nbytes)
+        self._meet(deadline)
+
+    def _meet(self, deadline: float) -> None:
+        """Take one step without data: post this rank's header and collect every other."""
         steps = self.steps
-        steps.begin("barrier")
         step = steps.next()
         steps.free(step, deadline)
         steps.post(step)

@@ -22,6 +22,11 @@ class Solo:
     def barrier(self, deadline: float) -> None:
         """Return at once."""
 
+    def agree(
+        self, kind: str, dtype: str, reduce_op: int, root: int, nbytes: int, deadline: float
+    ) -> None:
+        """Return at once: no other rank of this node can disagree."""
+
     def broadcast(self, data: np.ndarray, root: int, dtype: str, deadline: float) -> None:
         """Leave ``data`` as it is: this rank is the root."""
 

@@ -49,6 +49,8 @@ KINDS = (
 _DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPES))}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 _NUMPY_NAMES = {"bfloat16": "int16"}
+_WHOLE = 0x80
+"""The kind byte's flag of a signature that describes a whole op (see ``Signature.whole``)."""
 """Dtypes numpy lacks, by a numpy dtype of their item size."""
 
 
@@ -68,24 +70,30 @@ class MismatchError(Exception):
 
 @dataclass(frozen=True)
 class Signature:
-    """What an op's slots must carry on every rank: its kind, dtype, reduction, root, bytes."""
+    """What an op's slots must carry on every rank: its kind, dtype, reduction, root, bytes.
+
+    ``whole`` marks the signature of the user's whole op, as a group that spans
+    nodes checks it among a node's ranks before any stage runs: its root is a rank
+    of the group, not a local rank, and its reduction is the user's (AVG included).
+    """
 
     kind: str
     dtype: str = ""
     reduce_op: int = -1
     root: int = -1
     nbytes: int = 0
+    whole: bool = False
 
     def word(self) -> int:
         """Return the signature packed into one int64 (the byte count aside)."""
-        kind = KINDS.index(self.kind) + 1
+        kind = KINDS.index(self.kind) + 1 | (_WHOLE if self.whole else 0)
         dtype = _DTYPE_CODES.get(self.dtype, 0)
         return kind | dtype << 8 | (self.reduce_op + 1) << 16 | (self.root + 1) << 24
 
     @classmethod
     def unpack(cls, word: int, nbytes: int) -> Signature:
         """Return the signature that ``word`` packs, with ``nbytes``; unknown fields stay blank."""
-        kind = word & 0xFF
+        kind = word & 0x7F
         dtype = _DTYPE_NAMES.get((word >> 8) & 0xFF, "")
         return cls(
             KINDS[kind - 1] if 0 < kind <= len(KINDS) else "an unknown op",
@@ -93,6 +101,7 @@ class Signature:
             ((word >> 16) & 0xFF) - 1,
             (word >> 24) - 1,
             nbytes,
+            bool(word & _WHOLE),
         )
 
     def describe(self, ranks: Sequence[int] | None = None) -> str:
@@ -108,7 +117,9 @@ class Signature:
             parts.append(f"of {count} {self.dtype} element{'' if count == 1 else 's'}")
         root = self.root
         if root >= 0 and self.kind != "relay":
-            parts.append(f"with root {ranks[root] if ranks and root < len(ranks) else root}")
+            if ranks and root < len(ranks) and not self.whole:
+                root = ranks[root]
+            parts.append(f"with root {root}")
         return " ".join(parts)
 
 
@@ -160,6 +171,7 @@ class Steps:
         self._sig = 0
         self._nbytes = 0
         self._key: tuple[str, str, int, int] = ("barrier", "", -1, -1)
+        self._whole = False
         self._words: dict[tuple[str, str, int, int], int] = {}
 
     @property
@@ -173,6 +185,16 @@ class Steps:
         """Start an op of ``Signature(kind, ...)``: count it, and announce it."""
         key = (kind, dtype, reduce_op, root)
         self.begin_signed(key, self.signature_word(key), nbytes)
+
+    def begin_whole(self, kind: str, dtype: str, reduce_op: int, root: int, nbytes: int) -> None:
+        """Start the check of a user's whole op ``kind`` (``root`` a rank of the group).
+
+        A group that spans nodes runs each op in stages; this signature, which no
+        stage carries, lets the node's ranks compare the op they were called with.
+        """
+        self.begin_signed((kind, dtype, reduce_op, root), 0, nbytes)
+        self._sig = Signature(kind, dtype, reduce_op, root, nbytes, whole=True).word()
+        self._whole = True
 
     def signature_word(self, key: tuple[str, str, int, int]) -> int:
         """Return ``Signature(*key).word()``, packed once per key."""
@@ -188,6 +210,7 @@ class Steps:
         self._sig = word
         self._nbytes = nbytes
         self._key = key
+        self._whole = False
 
     def slot(self, step: int) -> np.ndarray:
         """Return this rank's slot for ``step``."""
@@ -233,7 +256,7 @@ class Steps:
 
     def _mismatch(self, rank: int, op: int, theirs: Signature) -> str:
         """Describe how local ``rank``, in its ``op``-th collective ``theirs``, differs."""
-        mine = Signature(*self._key, self._nbytes)
+        mine = Signature(*self._key, self._nbytes, self._whole)
         who, me = self.ranks[rank], self.ranks[self.rank]
         if op != self.op:
             return (
