@@ -95,15 +95,15 @@ def lines(ax: Any, records: list[Record], value: Callable[[Record], float]) -> N
     ax.grid(True, alpha=0.3)
 
 
-def legend(fig: Any, axes: Any) -> None:
-    """Put one legend below ``fig``: every line or bar of ``axes``, each label once."""
+def legend(fig: Any, axes: Any, order: list[str]) -> None:
+    """Put one legend below ``fig``: each label of ``axes`` once, in ``order``."""
     entries: dict[str, Any] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(label, handle)
-    fig.legend(
-        list(entries.values()), list(entries), loc="outside lower center", ncol=3, frameon=False
-    )
+    labels = sorted(entries, key=order.index)
+    handles = [entries[label] for label in labels]
+    fig.legend(handles, labels, loc="outside lower center", ncol=2, frameon=False)
 
 
 def microseconds(value: float, _: Any = None) -> str:
@@ -143,9 +143,9 @@ def panels_figure(
             ax.set_ylabel(ylabel)
         for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)
-        legend(fig, axes.flat)
+        legend(fig, axes.flat, list(LABELS.values()))
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=DPI)
+        fig.savefig(path, dpi=DPI, bbox_inches="tight")
         plt.close(fig)
 
 
@@ -242,6 +242,6 @@ def bulk(path: Path, records: list[Record]) -> None:
             ax.set_yscale("log")
             ax.grid(True, axis="y", alpha=0.3)
         axes[0][0].set_ylabel("median time per call (ms)")
-        legend(fig, axes.flat)
-        fig.savefig(path, dpi=DPI)
+        legend(fig, axes.flat, list(BULK_LABELS.values()))
+        fig.savefig(path, dpi=DPI, bbox_inches="tight")
         plt.close(fig)

@@ -114,7 +114,9 @@ API_TOPICS: list[tuple[str, str, list[str]]] = [
     (
         "Ops",
         "One buffer per rank. Every op writes its outputs in place and returns ``None``, "
-        "or a ``Work`` with ``async_op=True``.",
+        "or a ``Work`` with ``async_op=True``. A buffer is a numpy array or a CPU torch "
+        "tensor on a Gloo group, a cupy array or a CUDA torch tensor on an NCCL group "
+        "(:doc:`support-matrix` lists the dtypes of each).",
         [
             "allreduce",
             "reduce",
