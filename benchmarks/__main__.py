@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from benchmarks import goals, peers, processes, report, workloads
+from benchmarks import goals, peers, plots, processes, report, workloads
 from benchmarks.report import COPY, IMPLS, OURS, OURS_GLOO, RAY, STORE, TORCH
 
 FULL_SIZES = "8,64,1K,4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -248,11 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     data = {"meta": meta, "results": records, "latency": probes, "goals": goals.as_json(verdicts)}
     if args.json:
         report.write_json(args.json, data)
-    if args.plot:
-        report.plot(args.plot, records)
+    figures = plots.busbw(args.plot, records) if args.plot else []
     if args.markdown:
-        plot_name = args.plot.name if args.plot else None
-        args.markdown.write_text(report.markdown(data, goals.text(verdicts), plot_name))
+        names = [(path.name, ops) for path, ops in figures]
+        args.markdown.write_text(report.markdown(data, goals.text(verdicts), names))
     print(f"\n# {len(records)} points and {len(probes)} probes in {meta['seconds']} s")
     return 0 if all(r["wrong"] == 0 for r in records) else 1
 

@@ -20,15 +20,9 @@ import torch
 import collective as col
 from benchmarks import bulk_workloads as bw
 from benchmarks.bulk_workloads import SOURCE, Workload
+from benchmarks.report import COPY, LOOP, OURS, RAY, STORE
 
 RAY_TIMEOUT_S = 1800
-OURS, LOOP, RAY, STORE, COPY = (
-    "collective",
-    "collective_loop",
-    "ray_collective",
-    "object_store",
-    "shm_copy",
-)
 IMPLS = (OURS, LOOP, RAY, STORE, COPY)
 
 

@@ -1,4 +1,4 @@
-"""The physical bound: each op's bytes copied through one shared segment, with no arithmetic.
+"""The plain-copy peer: each op's bytes copied through one shared segment, no arithmetic.
 
 Every rank copies what the op sends into its own slot of the segment, the ranks meet,
 and every rank copies out of the others' slots what the op delivers to it: broadcast is

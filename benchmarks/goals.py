@@ -142,7 +142,7 @@ def evaluate(records: Records, probes: Records) -> list[Goal]:
     share = None if found is None else (1 / found[0], found[1])
     goals.append(
         _ratio_goal(
-            "broadcast and allgather (2 ranks) reach >= 1/2 of the copy bound at >= 1 MiB",
+            "broadcast and allgather (2 ranks) reach >= 1/2 of the plain-copy peer at >= 1 MiB",
             share,
             COPY_SHARE,
             _sizes(records, big_copy),

@@ -1,4 +1,4 @@
-"""The peers in plain processes: raw torch gloo, and the shared-memory copy bound.
+"""The peers in plain processes: raw torch gloo, and plain copies through shared memory.
 
 Each rank is a spawned process that serves runs sent through a pipe; the runners
 have the interface described in ``peers``.
@@ -98,7 +98,7 @@ class TorchGloo(ProcessRanks):
 
 
 class ShmCopy(ProcessRanks):
-    """The copy bound: each op's bytes copied through a shared segment (see ``copy_peer``).
+    """The plain-copy peer: each op's bytes copied through a shared segment (see ``copy_peer``).
 
     Every run gets a fresh segment, which is gone from the file system once it ends.
     """

@@ -1,4 +1,4 @@
-"""Statistics, the nccl-tests-style table, JSON, the bus-bandwidth plot and the results page."""
+"""Statistics, the nccl-tests-style table, JSON and the results page (figures: ``plots``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ TORCH = "torch_gloo"
 RAY = "ray_collective"
 STORE = "object_store"
 COPY = "shm_copy"
-"""The physical bound: the op's bytes copied through shared memory, no arithmetic."""
+"""The plain-copy peer: the op's bytes copied through one shared segment, no arithmetic.
+
+It is a peer, not a bound: it makes its own copies, in its own order, and a group that
+makes fewer copies beats it. What bounds a large op on one node is memory bandwidth
+(``python -m benchmarks.membw``).
+"""
+LOOP = "collective_loop"
+"""The many-tensor run's per-tensor loop of our ops."""
 
 IMPLS = (OURS, OURS_GLOO, TORCH, RAY, STORE, COPY)
 COLORS = {
@@ -28,6 +35,7 @@ COLORS = {
     RAY: "tab:green",
     STORE: "tab:orange",
     COPY: "black",
+    LOOP: "tab:gray",
 }
 """One color per implementation, the same in every panel."""
 
@@ -40,8 +48,9 @@ HOW_TO_READ = [
     "  so that the machine's slow spells fall on every implementation alike.",
     "- algbw = size / time; busbw = algbw x nccl-tests' factor of the op.",
     f"- `t/gloo` is the median time over raw torch gloo's ({TORCH}) at the same point:",
-    "  below 1 is faster. `bw/copy` is the bandwidth as a fraction of the copy bound",
-    f"  ({COPY}: the op's bytes copied through shared memory): 1 is the bound.",
+    "  below 1 is faster. `bw/copy` is the bandwidth as a fraction of the plain-copy peer's",
+    f"  ({COPY}: the op's bytes copied through one shared segment, no arithmetic): above 1",
+    "  moves the op's data faster than those plain copies do. It is a peer, not a bound.",
 ]
 
 
@@ -158,47 +167,11 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def plot(path: Path, records: list[dict[str, Any]]) -> None:
-    """Draw busbw against size, one line per implementation, a panel per op and world size."""
-    import matplotlib
+def markdown(data: dict[str, Any], goals_text: str, figures: list[tuple[str, list[str]]]) -> str:
+    """Return a results page: machine and command, goals, latency, ratios, figures and table.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = [op for op in workloads.OPS if any(r["op"] == op for r in records)]
-    sizes = sorted({r["world_size"] for r in records})
-    fig, axes = plt.subplots(
-        len(ops), len(sizes), figsize=(5 * len(sizes), 3.2 * len(ops)), squeeze=False
-    )
-    for i, op in enumerate(ops):
-        for j, world_size in enumerate(sizes):
-            ax = axes[i][j]
-            rows = [r for r in records if (r["op"], r["world_size"]) == (op, world_size)]
-            for impl in sorted({r["impl"] for r in rows}, key=_order):
-                points = sorted((r["size"], r["busbw_gbs"]) for r in rows if r["impl"] == impl)
-                style = "--" if impl == COPY else "-"
-                ax.plot(
-                    *zip(*points, strict=True),
-                    style,
-                    marker="o",
-                    markersize=3,
-                    label=impl,
-                    color=COLORS.get(impl),
-                )
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{op}, {world_size} ranks")
-            ax.set_xlabel("size (bytes)")
-            ax.set_ylabel("busbw (GB/s)")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-def markdown(data: dict[str, Any], goals_text: str, plot_name: str | None) -> str:
-    """Return a results page: machine and command, goals, latency, ratios, plot and table."""
+    ``figures`` holds each bus-bandwidth figure's file name and ops.
+    """
     meta, records = data["meta"], data["results"]
     lines = [
         "## Machine and command",
@@ -214,11 +187,12 @@ def markdown(data: dict[str, Any], goals_text: str, plot_name: str | None) -> st
         lines += ["", "## Latency", "", "```text", latency_table(data["latency"]), "```"]
     for title, field in (
         ("Median time relative to raw torch gloo (below 1 is faster)", "ratio_to_torch_gloo"),
-        ("Bandwidth as a fraction of the shared-memory copy bound", "fraction_of_copy"),
+        ("Bandwidth as a fraction of the plain-copy peer's", "fraction_of_copy"),
     ):
         lines += ["", f"## {title}", "", *_grid(records, field)]
-    if plot_name:
-        lines += ["", "## Bus bandwidth", "", f"![busbw against size]({plot_name})"]
+    if figures:
+        lines += ["", "## Bus bandwidth", ""]
+        lines += [f"![bus bandwidth of {', '.join(ops)}]({name})" for name, ops in figures]
     lines += ["", "## Table", "", "```text", table(records, {}), "```", ""]
     return "\n".join(lines)
 
@@ -248,3 +222,12 @@ def human(size: int) -> str:
         if size >= scale:
             return f"{size / scale:g} {unit}"
     return f"{size} B"
+
+
+def human_bytes(size: int) -> str:
+    """Return a byte count in the unit that reads best: ``62.5 MiB``, ``1011 MiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.3g}\u00a0{unit}" if value < 1000 else f"{value:.0f}\u00a0{unit}"
+    return f"{size}\u00a0B"

@@ -10,10 +10,13 @@ benchmark runs, so they cannot drift:
 - the API reference (``api``) and the backend internals page (``backends``), grouped
   by topic in ``API_TOPICS`` and ``BACKEND_NAMES``; every name of ``collective.__all__``
   is on exactly one of them, or the build fails;
-- the landing page's three numbers (``@headlines@``) and the performance page's
-  summary, plot, method and full tables, from ``docs/performance/results.json``,
-  ``busbw.png``, ``bulk.json`` and ``bulk.png``. Without them the pages say how to
-  make them.
+- the landing page's numbers (``@headlines@``), the performance page's summary, plot
+  and commands, and the detail page's full tables and figures, from
+  ``docs/performance/results.json``, ``busbw*.png``, ``bulk.json`` and ``bulk.png``.
+  Without them the pages say how to make them.
+
+Inline code that names a public function or class, such as ``allreduce`` or
+``col.broadcast_state_dict``, links to its entry in the API reference (``api_links``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(DOCS.parent))
 import perf_pages  # noqa: E402
 
 import collective  # noqa: E402
+from benchmarks import plots  # noqa: E402
 
 project = "collective"
 author = "collective authors"
@@ -47,6 +51,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "support_matrix",
+    "api_links",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
@@ -76,10 +81,16 @@ html_sidebars = {"index": []}
 html_context = {"default_mode": "light"}
 
 SECTIONS = {
-    "get-started": ["quickstart", "examples"],
+    "get-started": ["install", "quickstart", "examples"],
     "how-to": ["weight-sync", "elastic", "nccl", "migration"],
     "reference": ["api", "backends", "support-matrix", "troubleshooting"],
-    "explanation": ["concepts", "data-movement", "failure-model", "performance"],
+    "explanation": [
+        "concepts",
+        "data-movement",
+        "failure-model",
+        "performance",
+        "performance-detail",
+    ],
 }
 """Each section page's pages, in order: what the navigation bar and sidebars show."""
 
@@ -103,7 +114,9 @@ API_TOPICS: list[tuple[str, str, list[str]]] = [
     (
         "Ops",
         "One buffer per rank. Every op writes its outputs in place and returns ``None``, "
-        "or a ``Work`` with ``async_op=True``.",
+        "or a ``Work`` with ``async_op=True``. A buffer is a numpy array or a CPU torch "
+        "tensor on a Gloo group, a cupy array or a CUDA torch tensor on an NCCL group "
+        "(:doc:`support-matrix` lists the dtypes of each).",
         [
             "allreduce",
             "reduce",
@@ -276,7 +289,7 @@ def runs() -> tuple[dict | None, dict | None]:
 
 
 def headlines_body() -> str:
-    """Return the landing page's three numbers, each linked to the performance page."""
+    """Return the landing page's numbers, each linked to the performance page."""
     results, bulk = runs()
     rows = perf_pages.points(perf_pages.HEADLINES, results, bulk)
     if not rows:
@@ -284,12 +297,13 @@ def headlines_body() -> str:
     meta = (results or bulk or {}).get("meta", {})
     return (
         perf_pages.table(rows, link="performance.md#summary")
-        + "\n\nMedian time per call, with how many times faster `collective` is in "
-        + "brackets, ranks in Ray actors on one node of "
+        + "\n\nMedian time per call; in brackets, how the peer's time compares with "
+        + "`collective`'s. Ranks in Ray actors on one node of "
         + perf_pages.machine(meta)
-        + "; raw Gloo is torch's `ProcessGroupGloo` in plain processes. The "
-        + "[performance page](performance.md#summary) has every op and size, and the "
-        + "commands that measure them.\n"
+        + "; raw Gloo is torch's `ProcessGroupGloo` in plain processes. "
+        + "**4 ranks run on the machine's 2 cores, so each rank waits for a core and the "
+        + "4-rank gains shrink.** The [performance page](performance.md#summary) has "
+        + "every op and size, and the commands that measure them.\n"
     )
 
 
@@ -306,19 +320,19 @@ def summary_body() -> str:
     text = [
         perf_pages.table(rows),
         "",
-        "Median time per call of `collective` and of each peer, with how many times "
-        "faster `collective` is in brackets; ranks are Ray actors, on one node of "
+        "Median time per call of `collective` and of each peer; in brackets, how the "
+        "peer's time compares with `collective`'s. Ranks are Ray actors, on one node of "
         f"{perf_pages.machine(meta)} unless the row says two nodes. Raw Gloo is torch's "
         "`ProcessGroupGloo` in plain processes, not in Ray. The 8-byte latency times "
-        "single ops back to back; the other rows are the medians of the full tables "
-        "below. [Method](#method) says how each is measured.",
+        "single ops back to back; the other rows are medians of the "
+        "[full tables](performance-detail.md#full-results).",
         "",
     ]
-    if results is not None and perf_pages.plot(SUMMARY_PLOT, results):
+    if results is not None and plots.times(SUMMARY_PLOT, results):
         text += [
             "```{image} _generated/allreduce.png",
             ":alt: median time per allreduce against message size, for collective, "
-            "ray.util.collective, raw torch Gloo and the shared-memory copy bound",
+            "ray.util.collective, raw torch Gloo and plain copies through shared memory",
             "```",
             "",
         ]
@@ -380,12 +394,22 @@ def full_body() -> str:
             perf_pages.latency_table(results),
             "",
         ]
-    if PLOT.is_file():
+    groups = plots.op_groups(results.get("results", []))
+    figures = zip(plots.figure_paths(PLOT, len(groups)), groups, strict=True)
+    shown = [(path, ops) for path, ops in figures if path.is_file()]
+    if shown:
         parts += [
             "### Bus bandwidth",
             "",
-            "```{image} performance/busbw.png",
-            ":alt: bus bandwidth against message size, a panel per op and world size",
+            "Bus bandwidth, nccl-tests' measure of how fast an op moves data, against "
+            "message size; higher is faster.",
+            "",
+        ]
+    for path, ops in shown:
+        parts += [
+            f"```{{image}} performance/{path.name}",
+            f":alt: bus bandwidth against message size of {' and '.join(ops)}, "
+            "a panel per op and world size",
             "```",
             "",
         ]
@@ -416,12 +440,8 @@ GENERATORS: dict[str, dict[str, Callable[[], str]]] = {
     "index": {"@headlines@": headlines_body, "@next@": next_body},
     "api": {MARKER: api_body},
     "backends": {MARKER: backends_body},
-    "performance": {
-        "@summary@": summary_body,
-        "@method@": method_body,
-        "@bulk@": bulk_body,
-        MARKER: full_body,
-    },
+    "performance": {"@summary@": summary_body, "@method@": method_body},
+    "performance-detail": {"@bulk@": bulk_body, MARKER: full_body},
 }
 """Each generated page's markers and what replaces them."""
 

@@ -274,3 +274,43 @@ def test_elastic_benchmark_rejects_bad_arguments(flags: list[str], message: str)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_membw_reports_each_process_count() -> None:
+    from benchmarks import membw
+
+    lines = membw.main(["--size", "1M", "--processes", "1,2", "--iters", "3"])
+    assert lines[0] == "# numpy copy of 1 MiB, median over 3 copies per process"
+    for n, line in zip((1, 2), lines[1:], strict=True):
+        assert line.startswith(f"{n} process(es): "), line
+        rate = float(line.split(": ")[1].split(" GB/s")[0])
+        assert rate > 0, line
+
+
+def test_replot_redraws_the_committed_figures_and_pages(tmp_path: Path) -> None:
+    from benchmarks import replot
+
+    for name in ("results.json", "bulk.json"):
+        (tmp_path / name).write_text((ROOT / "docs" / "performance" / name).read_text())
+    written = replot.main([str(tmp_path)])
+    figures = ["busbw.png", "busbw-2.png", "busbw-3.png", "busbw-4.png", "bulk.png"]
+    assert sorted(p.name for p in written) == sorted([*figures, "results.md", "bulk.md"])
+    for name in figures:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    page = (tmp_path / "results.md").read_text()
+    assert all(f"]({name})" in page for name in figures[:4])
+    for text in (page, (tmp_path / "bulk.md").read_text()):
+        assert "copy bound" not in text
+
+
+@pytest.mark.parametrize(("world_sizes", "per_figure"), [([2], 4), ([2, 4], 2), ([2, 3, 4], 1)])
+def test_figures_hold_at_most_four_panels(world_sizes: list[int], per_figure: int) -> None:
+    from benchmarks import plots
+
+    records = [{"op": op, "world_size": n} for op in workloads.OPS for n in world_sizes]
+    groups = plots.op_groups(records)
+    assert [op for group in groups for op in group] == list(workloads.OPS)
+    assert all(len(group) == per_figure for group in groups[:-1])
+    assert all(len(group) * len(world_sizes) <= plots.MAX_PANELS for group in groups)
+    with pytest.raises(ValueError, match="1 to 4 panels, got 5"):
+        plots.panels_figure(Path("unused.png"), [("x", [])] * 5, lambda r: 0.0, "y")

@@ -30,6 +30,7 @@ BUILD_TIMEOUT_S = 300
 PAGES = [
     "index",
     "get-started",
+    "install",
     "quickstart",
     "examples",
     "how-to",
@@ -47,6 +48,7 @@ PAGES = [
     "data-movement",
     "failure-model",
     "performance",
+    "performance-detail",
 ]
 TOPICS = [
     "Groups",
@@ -115,10 +117,16 @@ def test_api_lists_every_public_name_once_by_topic(site: Path) -> None:
 def test_sections_list_their_pages(site: Path) -> None:
     index = page(site, "index")
     for section, pages in {
-        "get-started": ["quickstart", "examples"],
+        "get-started": ["install", "quickstart", "examples"],
         "how-to": ["weight-sync", "nccl", "migration"],
         "reference": ["api", "backends", "support-matrix", "troubleshooting"],
-        "explanation": ["concepts", "data-movement", "failure-model", "performance"],
+        "explanation": [
+            "concepts",
+            "data-movement",
+            "failure-model",
+            "performance",
+            "performance-detail",
+        ],
     }.items():
         assert f'href="{section}.html"' in index, section
         listing = page(site, section)
@@ -130,7 +138,7 @@ def test_landing_numbers_come_from_the_runs_and_link_to_performance(site: Path) 
     results = perf_pages.load(DOCS / "performance" / "results.json")
     bulk = perf_pages.load(DOCS / "performance" / "bulk.json")
     points = perf_pages.points(perf_pages.HEADLINES, results, bulk)
-    assert len(points) == 3
+    assert [p.ranks for p in points] == ["2", "4", "2", "4", "4"]
     index = page(site, "index")
     assert index.count('href="performance.html#summary"') >= len(points) + 1
     for point in points:
@@ -144,19 +152,48 @@ def test_landing_numbers_come_from_the_runs_and_link_to_performance(site: Path) 
         assert line in shown, line
 
 
-def test_performance_page_opens_with_the_summary_and_the_plot(site: Path) -> None:
+def words(html_text: str) -> int:
+    """Return the words of a page's article, without its navigation."""
+    article = html_text.split('<article class="bd-article">', 1)[1].split("</article>", 1)[0]
+    return len(html.unescape(re.sub(r"<[^>]+>", " ", article)).split())
+
+
+def test_performance_page_is_short_and_opens_with_the_summary_and_the_plot(site: Path) -> None:
     performance = page(site, "performance")
     summary = performance.index('id="summary"')
     table = performance.index("<table", summary)
     plot = performance.index('src="_images/allreduce.png"')
-    method = performance.index('id="method"')
-    full = performance.index('id="full-results"')
-    assert summary < table < plot < method < full
-    assert performance.index('src="_images/busbw.png"') > full
-    bulk = performance.index('id="many-tensors-at-once"')
-    where = performance.index('id="where-the-time-goes"')
-    assert bulk < performance.index("2,000 tensors, 62.5\u00a0MiB, 4 ranks on one node") < where
+    means = performance.index('id="what-this-means-for-your-actors"')
+    limit = performance.index('id="what-limits-a-large-op"')
+    method = performance.index('id="method-in-short"')
+    rerun = performance.index('id="rerun-it"')
+    assert summary < table < plot < means < limit < method < rerun
+    assert performance.count("<img") == 1
+    assert 'href="performance-detail.html"' in performance
+    assert words(performance) < 2000, words(performance)
     assert "No benchmark results" not in performance
+    assert "copy bound" not in performance
+
+
+def test_detail_page_holds_the_full_tables_and_figures(site: Path) -> None:
+    detail = page(site, "performance-detail")
+    full = detail.index('id="full-results"')
+    for name in ("busbw.png", "busbw-2.png", "busbw-3.png", "busbw-4.png"):
+        assert detail.index(f'src="_images/{name}"') > full, name
+    bulk = detail.index('id="many-tensors-at-once"')
+    where = detail.index('id="where-the-time-goes"')
+    assert bulk < detail.index("2,000 tensors, 62.5\u00a0MiB, 4 ranks on one node") < where
+    assert "copy bound" not in detail
+
+
+def test_inline_names_link_to_the_api_reference(site: Path) -> None:
+    weight_sync = page(site, "weight-sync")
+    assert 'href="api.html#collective.broadcast_state_dict"' in weight_sync
+    assert 'href="api.html#collective.allreduce"' in page(site, "quickstart") + page(
+        site, "concepts"
+    )
+    index = page(site, "index")
+    assert 'href="api.html#collective.nccl_available"' in index
 
 
 def test_pages_speak_to_the_user_not_of_the_code_history(site: Path) -> None:
@@ -221,11 +258,12 @@ def test_optional_pages_build_either_way(tmp_path: Path, with_optional: bool) ->
     how_to = (out / "how-to.html").read_text()
     assert ("No benchmark results" in performance) is not with_optional
     assert ("15\u00a0ms" in performance) is with_optional
-    assert ("42.5\u00a0ms\u00a0(2.8x)" in index) is with_optional
-    assert ("allreduce is fast" in performance) is with_optional
+    detail = (out / "performance-detail.html").read_text()
+    assert ("42.5\u00a0ms\u00a0(2.8x\u00a0slower)" in index) is with_optional
+    assert ("allreduce is fast" in detail) is with_optional
     text = html.unescape(re.sub(r"<[^>]+>", "", performance))
     assert ("--json docs/performance/results.json" in text) is with_optional
-    assert performance.count('src="_images/busbw.png"') == int(with_optional)
+    assert detail.count('src="_images/busbw.png"') == int(with_optional)
     assert performance.count('src="_images/allreduce.png"') == int(with_optional)
     assert 'href="elastic.html"' in how_to
     assert 'href="failure-model.html"' in index

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import COLORS, COPY, OURS, RAY, TORCH, human
+from benchmarks.report import COPY, LOOP, OURS, RAY, TORCH, human, human_bytes
 
 PEERS = (RAY, TORCH)
 """The two peers every summary row compares with, in column order."""
@@ -132,22 +132,19 @@ SUMMARY: tuple[Spec, ...] = (
 )
 """The performance page's summary rows, in order."""
 
-HEADLINES: tuple[Spec, ...] = (Latency(2), Op("allreduce", 2, 64 * MIB), Bulk("uniform", 1))
-"""The landing page's three numbers."""
+HEADLINES: tuple[Spec, ...] = (
+    Latency(2),
+    Latency(4),
+    Op("allreduce", 2, 64 * MIB),
+    Op("allreduce", 4, 64 * MIB),
+    Bulk("uniform", 1),
+)
+"""The landing page's numbers: small and large messages at 2 and 4 ranks, a whole model."""
 
 
 def load(path: Path) -> dict[str, Any] | None:
     """Return the JSON at ``path``, or None if there is none."""
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
-def human_bytes(size: int) -> str:
-    """Return a byte count in the unit that reads best: ``62.5 MiB``, ``1.01 GiB``."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
-        if size >= scale:
-            value = size / scale
-            return f"{value:.3g}\u00a0{unit}" if value < 1000 else f"{value:.0f}\u00a0{unit}"
-    return f"{size}\u00a0B"
 
 
 def duration(seconds: float) -> str:
@@ -158,10 +155,16 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e9:.3g}\u00a0ns"
 
 
-def speedup(theirs: float, ours: float) -> str:
-    """Return how many times faster ours is: ``40x``, ``2.9x``."""
-    ratio = theirs / ours
+def times_as(ratio: float) -> str:
+    """Return a ratio above 1 in words' precision: ``40x``, ``2.9x``."""
     return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def speedup(theirs: float, ours: float) -> str:
+    """Return how the peer's time compares with ours: ``40x slower``, ``1.3x faster``."""
+    if theirs >= ours:
+        return f"{times_as(theirs / ours)}\u00a0slower"
+    return f"{times_as(ours / theirs)}\u00a0faster"
 
 
 def points(
@@ -173,7 +176,7 @@ def points(
 
 
 def peer_cell(point: Point, peer: str) -> str:
-    """Return a peer's time and how many times ours is faster, or a dash if not measured."""
+    """Return a peer's time and how it compares with ours, or a dash if not measured."""
     theirs = point.peers.get(peer)
     if theirs is None:
         return "—"
@@ -181,7 +184,7 @@ def peer_cell(point: Point, peer: str) -> str:
 
 
 def table(rows: list[Point], link: str | None = None) -> str:
-    """Return a Markdown table of ``rows``: ours, then each peer with ours' speed-up over it.
+    """Return a Markdown table of ``rows``: ours, then each peer and how it compares with ours.
 
     With ``link``, each label links there.
     """
@@ -228,7 +231,7 @@ IMPL_TITLES = {
     TORCH: "raw torch Gloo",
     RAY: "`ray.util.collective`",
     "object_store": "object store",
-    COPY: "copy bound",
+    COPY: "plain copies",
 }
 """Column titles of the implementations, in the order the tables show them."""
 
@@ -294,10 +297,10 @@ def op_tables(results: dict[str, Any]) -> str:
 
 BULK_TITLES = {
     OURS: "`collective`, one call",
-    "collective_loop": "`collective`, one op per tensor",
+    LOOP: "`collective`, one op per tensor",
     RAY: "`ray.util.collective`, one op per tensor",
     "object_store": "object store",
-    COPY: "copy bound",
+    COPY: "plain copies of the same bytes",
 }
 """Row titles of the many-tensor run's implementations, in order."""
 
@@ -316,78 +319,15 @@ def bulk_tables(bulk: dict[str, Any]) -> str:
             f"`{first['workload']}`: {first['tensors']:,} tensors, "
             f"{human_bytes(first['bytes'])}, {first['world_size']} ranks on {nodes}:",
             "",
-            "| implementation | median | min | max | GB/s | `collective` faster by |",
+            "| implementation | median | min | max | GB/s | against `collective`'s one call |",
             "|---|---|---|---|---|---|",
         ]
         order = list(BULK_TITLES)
         for r in sorted(rows, key=lambda r: order.index(r["impl"]) if r["impl"] in order else 99):
             times = [duration(r["time_ms"][k] * 1e-3) for k in ("median", "min", "max")]
             title = BULK_TITLES.get(r["impl"], r["impl"]) + (" ✗" if r["wrong"] else "")
-            faster = "—" if r["impl"] == OURS else f"{r['speedup_of_ours']:.2f}x"
+            ours = r["time_ms"]["median"] / r["speedup_of_ours"]
+            faster = "—" if r["impl"] == OURS else speedup(r["time_ms"]["median"], ours)
             parts.append(f"| {title} | " + " | ".join(times) + f" | {r['gbs']:.3g} | {faster} |")
         parts.append("")
     return "\n".join(parts)
-
-
-def plot(path: Path, results: dict[str, Any], op: str = "allreduce") -> bool:
-    """Draw the median time of ``op`` against size, a panel per world size, into ``path``.
-
-    Returns False, drawing nothing, when the run has no ``op`` or matplotlib is missing.
-    """
-    records = [r for r in results.get("results", []) if r["op"] == op]
-    if not records:
-        return False
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    world_sizes = sorted({r["world_size"] for r in records})
-    with plt.rc_context({"font.size": 11}):
-        fig, axes = plt.subplots(
-            1, len(world_sizes), figsize=(4.6 * len(world_sizes), 3.6), squeeze=False
-        )
-        for ax, world_size in zip(axes[0], world_sizes, strict=True):
-            panel(ax, [r for r in records if r["world_size"] == world_size])
-            ax.set_title(f"{op}, {world_size} ranks on one node")
-        axes[0][0].legend(fontsize=9)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return True
-
-
-PLOT_TITLES = {
-    OURS: "collective",
-    RAY: "ray.util.collective",
-    TORCH: "raw torch Gloo",
-    COPY: "copy bound (shared memory)",
-}
-"""The implementations the summary plot draws, with their legend entries."""
-
-
-def panel(ax: Any, records: list[dict[str, Any]]) -> None:
-    """Draw one world size's median times against size on ``ax``, a line per implementation."""
-    for impl, title in PLOT_TITLES.items():
-        line = sorted((r["size"], r["time_us"]["median"]) for r in records if r["impl"] == impl)
-        if line:
-            ax.plot(
-                *zip(*line, strict=True),
-                "--" if impl == COPY else "-",
-                marker="o",
-                markersize=3,
-                color=COLORS.get(impl),
-                label=title,
-            )
-    sizes = sorted({r["size"] for r in records})
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(sizes, [human(size) for size in sizes])
-    ax.minorticks_off()
-    ax.tick_params(axis="x", labelrotation=45)
-    ax.set_xlabel("message size")
-    ax.set_ylabel("median time per op (µs)")
-    ax.grid(True, alpha=0.3)
