@@ -210,7 +210,14 @@ def _moves(
     reduce_op: ReduceOp | None = None,
 ) -> Moves:
     """Return what this rank does to move ``xs`` (in layout order) as agreed."""
-    direct = DIRECT_BYTES if group.device_type == "cpu" else bucket_bytes
-    steps = plan(agreement.layout, bucket_bytes, direct, typed=reduce_op is not None)
     writes = reduce_op is not None or not reads
+    layout = agreement.layout
+    if reduce_op is None and group.takes_lists:
+        whole = [
+            x if x is not None else tensor.empty(layout.dtypes[i], layout.shapes[i], "cpu")
+            for i, x in enumerate(xs)
+        ]
+        return Moves(group, [], xs, reads, writes, like, timeout, root, whole=whole)
+    direct = DIRECT_BYTES if group.device_type == "cpu" else bucket_bytes
+    steps = plan(layout, bucket_bytes, direct, typed=reduce_op is not None)
     return Moves(group, steps, xs, reads, writes, like, timeout, root, reduce_op)

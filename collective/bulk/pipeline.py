@@ -55,10 +55,17 @@ class Moves:
     timeout: timedelta | None
     root: int = 0
     reduce_op: ReduceOp | None = None
+    whole: list[Any] | None = None
+    """Every tensor in layout order (scratch where this rank has none), when the group
+    moves them as one message (``BaseGroup.takes_lists``); then ``steps`` go unused."""
 
 
 def run(moves: Moves) -> None:
     """Issue every op of ``moves`` in order and finish each; return once all have finished."""
+    if moves.whole is not None:
+        options = BroadcastOptions(moves.root, 0, moves.timeout)
+        moves.group.broadcast_list(moves.whole, options).wait()
+        return
     slots: list[Staging] = []
     free: list[int] = []
     size = staging_bytes([s for s in moves.steps if _in_place(moves, s) is None])

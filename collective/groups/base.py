@@ -226,6 +226,29 @@ class BaseGroup(ABC):
         """
         return False
 
+    @property
+    def takes_lists(self) -> bool:
+        """Return whether ``broadcast_list`` moves a list of buffers as one message.
+
+        The same on every rank of the group. A caller with many tensors to move
+        (the bulk calls) hands them over as they are where it is True, and packs
+        them into buckets of ordinary ops elsewhere.
+        """
+        return False
+
+    def broadcast_list(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
+        """Copy the root's ``tensors`` into every other rank's, in order, as one message.
+
+        Every rank passes as many tensors, of the same byte sizes in the same order;
+        the root's are only read, every other rank's are written. Only a group whose
+        ``takes_lists`` is True has it.
+
+        Raises:
+            CollectiveError: this group moves one buffer per op.
+
+        """
+        raise CollectiveError(f"{type(self).__name__} does not take a list of buffers as one op")
+
     @abstractmethod
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce ``tensors`` across ranks; every rank's buffers receive the result."""

@@ -22,7 +22,7 @@ from collective.groups.gloo.work import buffer_list, commit_all, one_buffer
 from collective.groups.shm.mail import Mail
 from collective.groups.shm.short import ShortOps
 from collective.groups.shm.steps import dtype_code
-from collective.tensor import plain_flat
+from collective.tensor import CpuBuffer, plain_flat
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -140,6 +140,30 @@ class CpuGroup(CpuGroupBase):
         def body(deadline: float) -> None:
             plan.broadcast(buf, root, deadline)
             buf.commit()
+
+        return self._submit("broadcast", options, body)
+
+    @property
+    def takes_lists(self) -> bool:
+        """Return whether every rank is on this node and moves bytes through shared memory."""
+        return self._gloo is None and isinstance(self._plan, Flat)
+
+    def broadcast_list(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
+        """Copy the root's ``tensors`` into every other rank's, in order, as one message.
+
+        See ``BaseGroup.broadcast_list``. A tensor that is not contiguous moves
+        through a contiguous copy of its own.
+        """
+        plan = self._plan
+        if self._gloo is not None or not isinstance(plan, Flat):
+            return super().broadcast_list(tensors, options)
+        root = options.root_rank
+        writes = self.rank != root
+        bufs = [CpuBuffer(t, f"tensors[{i}]", writes) for i, t in enumerate(tensors)]
+
+        def body(deadline: float) -> None:
+            plan.broadcast_list(bufs, root, deadline)
+            commit_all(bufs)
 
         return self._submit("broadcast", options, body)
 

@@ -40,6 +40,9 @@ class Solo:
         """Finish the reduction of ``data`` alone (AVG divides by the world size)."""
         reducer.finish(data)
 
+    def broadcast_list(self, datas: list[np.ndarray], root: int, deadline: float) -> None:
+        """Leave ``datas`` as they are: this rank is the root."""
+
     def relay(
         self, data: np.ndarray, source: int, target: int, dtype: str, deadline: float
     ) -> None:
