@@ -146,7 +146,10 @@ class CpuBuffer:
             return self._array.reshape(-1).view(np.uint8)
         import torch
 
-        return self._tensor.detach().reshape(-1).view(torch.uint8).numpy()
+        tensor = self._tensor.detach()
+        if tensor.dtype is torch.bfloat16:
+            return tensor.reshape(-1).view(torch.uint8).numpy()
+        return tensor.numpy().reshape(-1).view(np.uint8)
 
     @property
     def dtype(self) -> str:
