@@ -344,8 +344,8 @@ class GlooGroup(GlooGroupBase):
                 "alltoall",
                 ins[0].dtype if ins else None,
                 length=len(ins),
-                sends=tuple(in_splits),
-                receives=tuple(out_splits),
+                sends=tuple(t.numel() for t in sent),
+                receives=tuple(t.numel() for t in out),
             ),
         )
 
