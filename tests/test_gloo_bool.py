@@ -1,6 +1,6 @@
 """Bool reductions on CPU groups: SUM and MAX are OR, PRODUCT and MIN are AND, bytes 0 and 1 only.
 
-Every reduction × allreduce, reduce and reducescatter, on both sides of the
+Every reduction in allreduce, reduce and reducescatter, on both sides of the
 small-message limit (the Gloo agreement's records), over Gloo (tcp), shared memory
 (shm) and two faked nodes. A result is compared byte for byte: a bool tensor that
 holds byte 2 reads as True, so only its bytes show that it was added, not ORed.

@@ -296,7 +296,6 @@ def test_async_alltoall_across_nodes_keeps_its_staged_input_alive() -> None:
     check_alltoall_to_rank_0(run_cpu(4, async_alltoall_to_rank_0, nodes=["a", "a", "b", "b"]))
 
 
-
 def test_async_ops_can_be_outstanding_together_and_stay_ordered() -> None:
     def fn(group: GlooGroup, rank: int) -> dict[str, Any]:
         xs = [torch.full((1 << 16,), float(rank + i)) for i in range(4)]
