@@ -58,7 +58,8 @@ def _bytes(x: torch.Tensor) -> bytes:
 
 def _reduce_all(group: BaseGroup, rank: int) -> dict[tuple[str, ReduceOp, int], bytes]:
     """Run every bool reduction of every op at both counts; return each result's bytes."""
-    n, out = group.world_size, {}
+    n = group.world_size
+    out: dict[tuple[str, ReduceOp, int], bytes] = {}
     for count in _counts(n):
         for op in BOOL_OPS:
             x = torch.from_numpy(_mask(rank, count))

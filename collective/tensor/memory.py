@@ -54,7 +54,7 @@ def overlaps(a: Any, b: Any) -> bool:
     return spans_overlap(memory_span(a), memory_span(b))
 
 
-_SOLVER_WORK = 1 << 16
+_SOLVER_WORK: Any = 1 << 16
 """The most steps numpy's exact overlap solver may take before ``shares_elements`` assumes one."""
 
 _TOO_HARD: Any = getattr(np, "exceptions", np).TooHardError

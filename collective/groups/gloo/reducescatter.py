@@ -118,7 +118,7 @@ def flat_bytes(chunks: Sequence[Any]) -> Any | None:
     if len(chunks) == 1:
         return byte_view(first)
     memory = (ctypes.c_uint8 * (end - start)).from_address(start)
-    memory.owners = list(chunks)  # type: ignore[attr-defined]
+    memory.owners = list(chunks)
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
