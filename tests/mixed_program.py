@@ -4,12 +4,17 @@ Every rank builds the same program from a seed. A send is posted asynchronously,
 and its receive comes one or more collectives later, so the user's messages are
 in flight while collectives run. Inputs are small integers, so every reduction
 is exact and each rank's results can be compared with numpy's bit for bit.
+
+An extended program (``make(..., extended=True)``) also runs async alltoalls of
+non-contiguous inputs, whose references the program drops before the wait (some
+ranks send to one peer only), and bool reductions above the small-message limit,
+whose results are compared byte for byte (a bool holding byte 2 reads as True).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -19,6 +24,10 @@ DTYPES = ["float32", "float64", "int32", "int64"]
 COUNTS = [0, 1, 5, 300, 5000]
 REDUCTIONS = [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN]
 KINDS = ["allreduce", "reduce", "broadcast", "allgather", "reducescatter", "barrier", "send"]
+REDUCING = ("allreduce", "reduce", "reducescatter")
+BOOL_COUNT = 20000
+"""Bools per buffer of a bool reduction: above the small-message limit at every world size."""
+BOOL_REDUCTIONS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
 
 
 @dataclass(frozen=True)
@@ -39,15 +48,23 @@ class Event:
     """For send and recv: which message."""
 
 
-def make(seed: int, world_size: int, length: int = 24) -> list[Event]:
-    """Return a program of about ``length`` events for ``world_size`` ranks."""
+def make(seed: int, world_size: int, length: int = 24, extended: bool = False) -> list[Event]:
+    """Return a program of about ``length`` events for ``world_size`` ranks.
+
+    With ``extended``, it also holds async alltoalls and bool reductions (see above).
+    """
     rng = np.random.default_rng(seed)
     events: list[Event] = []
     pending: list[Event] = []
+    kinds = [*KINDS, "alltoall"] if extended else KINDS
     for i in range(length):
-        kind = KINDS[int(rng.integers(len(KINDS)))]
+        kind = kinds[int(rng.integers(len(kinds)))]
         dtype = DTYPES[int(rng.integers(len(DTYPES)))]
         count = COUNTS[int(rng.integers(len(COUNTS)))]
+        if extended and kind in REDUCING and rng.random() < 0.4:
+            op = BOOL_REDUCTIONS[int(rng.integers(len(BOOL_REDUCTIONS)))]
+            events.append(Event(i, kind, "bool", BOOL_COUNT, op, int(rng.integers(world_size))))
+            continue
         if kind == "send" and world_size > 1:
             src = int(rng.integers(world_size))
             dst = (src + 1 + int(rng.integers(world_size - 1))) % world_size
@@ -78,10 +95,23 @@ def _receive(send: Event) -> Event:
 
 
 def data(event: Event, rank: int, part: int = 0) -> np.ndarray:
-    """Return ``rank``'s input of ``event`` (``part``: which chunk of a reducescatter)."""
+    """Return ``rank``'s input of ``event`` (``part``: the chunk of a reducescatter, alltoall)."""
     seed = event.index * 1000 + rank * 10 + part
-    values = np.random.default_rng(seed).integers(-3, 4, size=event.count)
+    low = 0 if event.dtype == "bool" else -3
+    values = np.random.default_rng(seed).integers(low, 4 if low else 2, size=event.count)
     return values.astype(event.dtype)
+
+
+def pair_count(event: Event, src: int, dst: int) -> int:
+    """Return the elements ``src`` sends ``dst`` in an alltoall: all to the root, some to others."""
+    return event.count if dst == event.root or (src + dst + event.index) % 3 == 0 else 0
+
+
+def strided(values: np.ndarray) -> np.ndarray:
+    """Return ``values`` as a non-contiguous view: every other element of a new buffer."""
+    wide = np.zeros(2 * values.size, values.dtype)
+    wide[::2] = values
+    return wide[::2]
 
 
 class Ops(Protocol):
@@ -95,6 +125,12 @@ class Ops(Protocol):
     def barrier(self) -> None: ...
     def send(self, x: np.ndarray, dst: int) -> Any: ...
     def recv(self, x: np.ndarray, src: int) -> None: ...
+
+
+class ExtendedOps(Ops, Protocol):
+    """The calls of an extended program: an async alltoall too."""
+
+    def alltoall(self, outs: list[np.ndarray], ins: list[np.ndarray]) -> Any: ...
 
 
 def run(ops: Ops, rank: int, world_size: int, program: list[Event]) -> dict[int, Any]:
@@ -116,6 +152,8 @@ def run(ops: Ops, rank: int, world_size: int, program: list[Event]) -> dict[int,
         elif event.kind == "reducescatter":
             ins = [data(event, rank, part) for part in range(world_size)]
             ops.reducescatter(x, ins, event.reduce_op)
+        elif event.kind == "alltoall":
+            x = _alltoall(cast(ExtendedOps, ops), event, rank, world_size)
         elif event.kind == "barrier":
             ops.barrier()
             continue
@@ -136,10 +174,32 @@ def run(ops: Ops, rank: int, world_size: int, program: list[Event]) -> dict[int,
     return results
 
 
+def _alltoall(ops: ExtendedOps, event: Event, rank: int, world_size: int) -> np.ndarray:
+    """Run ``event``'s async alltoall of strided inputs, dropped before the wait; return outputs."""
+    ins = [strided(data(event, rank, j)[: pair_count(event, rank, j)]) for j in range(world_size)]
+    outs = [np.full(pair_count(event, j, rank), -9, event.dtype) for j in range(world_size)]
+    work = ops.alltoall(outs, ins)
+    del ins
+    scribbles = [np.full(max(event.count, 1), -7, event.dtype) for _ in range(16)]
+    work.wait()
+    del scribbles
+    return np.concatenate(outs)
+
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+}
+
+
 def _fold(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """Reduce ``inputs`` by ``op``; on bool, SUM is OR and PRODUCT AND."""
     stack = np.stack(inputs)
-    ufunc = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}[op]
-    return ufunc.reduce(stack, axis=0).astype(inputs[0].dtype)
+    if stack.dtype == np.bool_:
+        return _UFUNCS[op].reduce(stack.astype(np.int64), axis=0) != 0
+    return _UFUNCS[op].reduce(stack, axis=0).astype(inputs[0].dtype)
 
 
 def expected(program: list[Event], rank: int, world_size: int) -> dict[int, np.ndarray]:
@@ -159,6 +219,9 @@ def expected(program: list[Event], rank: int, world_size: int) -> dict[int, np.n
         elif event.kind == "reducescatter":
             parts = [data(event, r, rank) for r in range(world_size)]
             want[event.index] = _fold(parts, event.reduce_op)
+        elif event.kind == "alltoall":
+            got = [data(event, r, rank)[: pair_count(event, r, rank)] for r in range(world_size)]
+            want[event.index] = np.concatenate(got)
         elif event.kind == "recv" and rank == event.rank:
             want[-event.index - 1] = data(event, event.peer)
     return want
@@ -171,4 +234,7 @@ def check(program: list[Event], results: list[dict[int, Any]], world_size: int) 
         assert sorted(got) == sorted(want), (rank, sorted(got), sorted(want))
         for key, value in want.items():
             what = f"message {-key - 1} received" if key < 0 else f"event {key}"
-            np.testing.assert_array_equal(got[key], value, err_msg=f"rank {rank}, {what}")
+            mine = got[key]
+            if value.dtype == np.bool_:
+                mine, value = np.asarray(mine).view(np.uint8), value.view(np.uint8)
+            np.testing.assert_array_equal(mine, value, err_msg=f"rank {rank}, {what}")

@@ -6,6 +6,7 @@ whose runners and references this module reuses.
 
 from __future__ import annotations
 
+import gc
 import time
 from datetime import timedelta
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from collective.groups.base import BaseGroup
 from collective.groups.gloo import GlooGroup
 from collective.types import (
     AllReduceOptions,
@@ -41,6 +43,7 @@ from tests.test_gloo_group import (
     transport,  # noqa: F401  (the autouse fixture that runs each test on both transports)
     values,
 )
+from tests.test_shm import run_cpu
 
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
 INTEGRAL = [d for d in DTYPES if d not in FLOATS]
@@ -250,6 +253,47 @@ def test_alltoall_of_views_of_flat_buffers_and_of_separate_ones(world_size: int)
 
 
 # --- async handles ------------------------------------------------------------------------
+
+
+def _strided(rank: int, count: int) -> torch.Tensor:
+    """Return rank's non-contiguous int32 input: every other element of a fresh buffer."""
+    return (torch.arange(2 * count, dtype=torch.int32) + 1000 * rank)[::2]
+
+
+def async_alltoall_to_rank_0(group: BaseGroup, rank: int) -> list[list[int]]:
+    """Send a non-contiguous input to rank 0 only, async, dropping every reference to it.
+
+    The op stages the input; the staged copy must live until the op completes,
+    however much memory the caller allocates and frees before ``wait``.
+    """
+    n, count, got = group.world_size, 64, []
+    for _ in range(20):
+        inputs = [_strided(rank, count)] + [torch.empty(0, dtype=torch.int32)] * (n - 1)
+        outputs = [torch.empty(count if rank == 0 else 0, dtype=torch.int32) for _ in range(n)]
+        work = group.alltoall(outputs, inputs, AllToAllOptions(async_op=True))
+        del inputs
+        gc.collect()
+        scribbles = [torch.full((count,), -7, dtype=torch.int32) for _ in range(64)]
+        work.wait()
+        del scribbles
+        got.append([int(x) for o in outputs for x in o.tolist()])
+    return got
+
+
+def check_alltoall_to_rank_0(results: list[list[list[int]]]) -> None:
+    n, count = len(results), 64
+    expected = [x for r in range(n) for x in _strided(r, count).tolist()]
+    assert results[0] == [expected] * 20
+    assert results[1:] == [[[]] * 20] * (n - 1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_async_alltoall_keeps_its_staged_input_alive_until_it_completes(world_size: int) -> None:
+    check_alltoall_to_rank_0(run_ranks(world_size, async_alltoall_to_rank_0))
+
+
+def test_async_alltoall_across_nodes_keeps_its_staged_input_alive() -> None:
+    check_alltoall_to_rank_0(run_cpu(4, async_alltoall_to_rank_0, nodes=["a", "a", "b", "b"]))
 
 
 def test_async_ops_can_be_outstanding_together_and_stay_ordered() -> None:

@@ -166,7 +166,7 @@ CASES: dict[str, tuple[Callable[[BaseGroup, int], Outcome], list[str]]] = {
     "gather 8 vs 9": (_gather_sizes, ["elements: 8 on rank 0, 9 on rank 1"]),
     "alltoall splits": (
         _alltoall_splits,
-        ["rank 1 expects 8 bytes from rank 0, which sends it 12"],
+        ["rank 1 expects 2 elements from rank 0, which sends it 3"],
     ),
 }
 """Collectives whose ranks disagree, and what every rank's error must say."""

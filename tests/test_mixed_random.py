@@ -1,8 +1,11 @@
 """Random programs mixing user send/recv with collectives match numpy on every rank.
 
-Ranks are threads on a TCPStore (see ``test_shm.run_cpu``), on one node and on two
-faked nodes (the hierarchical path), with small slots so that long messages stream.
-The same programs run across two real Ray nodes in ``test_cluster_correctness_ray``.
+Ranks are threads on a TCPStore (see ``test_shm.run_cpu``), on one node, on two
+faked nodes (the hierarchical path), with small slots so that long messages stream,
+and on plain Gloo. The programs are extended ones: async alltoalls of non-contiguous
+inputs and bool reductions above the small-message limit among the rest. The same
+programs, without those, run across two real Ray nodes in
+``test_cluster_correctness_ray``.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from collective.groups.cpu import CpuGroup
+from collective.groups.base import BaseGroup
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
+    AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
     RecvOptions,
@@ -26,15 +30,16 @@ from collective.types import (
     SendOptions,
 )
 from tests import mixed_program
+from tests.test_gloo_group import run_ranks
 from tests.test_shm import run_cpu
 
 SEEDS = int(os.environ.get("MIXED_SEEDS", "6"))
 
 
 class GroupOps:
-    """A program's calls on a ``CpuGroup``."""
+    """A program's calls on a CPU group."""
 
-    def __init__(self, group: CpuGroup) -> None:
+    def __init__(self, group: BaseGroup) -> None:
         self.group = group
 
     def allreduce(self, x: np.ndarray, op: ReduceOp) -> None:
@@ -61,20 +66,33 @@ class GroupOps:
     def recv(self, x: np.ndarray, src: int) -> None:
         self.group.recv([x], RecvOptions(src))
 
+    def alltoall(self, outs: list[np.ndarray], ins: list[np.ndarray]) -> Any:
+        return self.group.alltoall(outs, ins, AllToAllOptions(async_op=True))
+
 
 @pytest.mark.parametrize(
     ("world_size", "nodes"),
-    [(2, None), (4, None), (4, ["a", "a", "b", "b"]), (3, ["a", "b", "a"])],
-    ids=["2 ranks", "4 ranks", "2 nodes of 2", "2 nodes of 2 and 1"],
+    [
+        (2, None),
+        (4, None),
+        (4, ["a", "a", "b", "b"]),
+        (3, ["a", "b", "a"]),
+        (2, "gloo"),
+        (3, "gloo"),
+    ],
+    ids=["2 ranks", "4 ranks", "2 nodes of 2", "2 nodes of 2 and 1", "gloo 2", "gloo 3"],
 )
 @pytest.mark.parametrize("seed", range(SEEDS))
 def test_a_random_mixed_program_matches_numpy(
-    seed: int, world_size: int, nodes: list[str] | None
+    seed: int, world_size: int, nodes: list[str] | str | None
 ) -> None:
-    program = mixed_program.make(seed, world_size)
+    program = mixed_program.make(seed, world_size, extended=True)
 
-    def fn(group: CpuGroup, rank: int) -> dict[int, Any]:
+    def fn(group: BaseGroup, rank: int) -> dict[int, Any]:
         return mixed_program.run(GroupOps(group), rank, world_size, program)
 
-    results = run_cpu(world_size, fn, nodes=nodes, slot_bytes=1024)
+    if isinstance(nodes, str):
+        results = run_ranks(world_size, fn)
+    else:
+        results = run_cpu(world_size, fn, nodes=nodes, slot_bytes=1024)
     mixed_program.check(program, results, world_size)

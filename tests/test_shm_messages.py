@@ -27,7 +27,9 @@ from collective.types import (
     ArgumentValueError,
     CollectiveError,
     CollectiveTimeoutError,
+    RecvOptions,
     ReduceOptions,
+    SendOptions,
 )
 from tests.test_gloo_group import JOIN_TIMEOUT_S, _client_store, _master_store, _run_threads
 from tests.test_shm import run_cpu
@@ -111,6 +113,26 @@ def test_an_alltoall_size_mismatch_is_the_public_error_counted_in_elements() -> 
     for kind, message in run_cpu(2, fn):
         assert kind == "ArgumentValueError"
         assert "rank 1 expects 2 elements from rank 0, which sends 3" in message, message
+
+
+def test_a_recv_unlike_its_send_names_both_dtypes_and_sizes() -> None:
+    """Both buffers hold 32 bytes; only their dtypes and element counts tell them apart."""
+
+    def fn(group: CpuGroup, rank: int) -> tuple[str, list[float]]:
+        if rank == 0:
+            group.send([np.arange(8, dtype=np.float32)], SendOptions(dst_rank=1))
+            return "sent", []
+        x = np.full(4, -1.0)
+        try:
+            group.recv([x], RecvOptions(src_rank=0))
+        except CollectiveError as exc:
+            return str(exc), x.tolist()
+        return "returned", x.tolist()
+
+    _, (message, x) = run_cpu(2, fn)
+    assert "sent float32[8], but this rank receives into float64[4]" in message, message
+    assert "dtype code" not in message, message
+    assert x == [-1.0] * 4
 
 
 def test_a_reduce_mismatch_names_the_reduction_and_the_root() -> None:

@@ -49,7 +49,8 @@ def broadcast_tensors(
         timeout: overrides the group's timeout for each op of the call.
         async_op: return one ``Work`` for the whole call at once. Until its ``wait``
             has returned, the tensors must not be touched and no other op may be
-            issued on the group (another bulk call waits for it by itself).
+            issued on the group (another bulk call waits for it by itself). A
+            ``wait`` that runs out aborts the group and ends the call's writes.
 
     """
     group = get_group_handle(group_name)
@@ -75,10 +76,12 @@ def allreduce_tensors(
     """Reduce each of ``tensors`` across the group; every rank's ``tensors`` receive the results.
 
     Each tensor keeps its dtype, and its result equals that of ``allreduce`` on it
-    alone. Every rank passes a list of the same length whose i-th tensors agree in
-    dtype and shape; a disagreement raises a ``ValueError`` on every rank, naming
-    the first index that differs, before any buffer is written. The tensors of one
-    rank must not share memory. Buckets hold one dtype each.
+    alone, except in the last bits of a floating-point SUM, PRODUCT or AVG that Gloo
+    or NCCL reduces at three or more ranks (see the weight-sync guide). Every rank
+    passes a list of the same length whose i-th tensors agree in dtype and shape; a
+    disagreement raises a ``ValueError`` on every rank, naming the first index that
+    differs, before any buffer is written. No element of one rank may be in two of
+    its tensors. Buckets hold one dtype each.
 
     Args:
         tensors: numpy arrays, torch tensors or cupy arrays of any shape and strides,
@@ -91,7 +94,8 @@ def allreduce_tensors(
         timeout: overrides the group's timeout for each op of the call.
         async_op: return one ``Work`` for the whole call at once. Until its ``wait``
             has returned, the tensors must not be touched and no other op may be
-            issued on the group (another bulk call waits for it by itself).
+            issued on the group (another bulk call waits for it by itself). A
+            ``wait`` that runs out aborts the group and ends the call's writes.
 
     """
     group = get_group_handle(group_name)

@@ -16,8 +16,9 @@ from typing import Any
 from collective import checks, signature, tensor
 from collective.bulk import local
 from collective.bulk.agree import Agreement, Claim, agree
-from collective.bulk.pipeline import Moves, settle, start
+from collective.bulk.pipeline import Moves, start
 from collective.bulk.plan import plan
+from collective.bulk.turns import AGREEMENT_OPS, held
 from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup
 from collective.types import ArgumentValueError, ReduceOp
@@ -92,28 +93,30 @@ def _list_call(
 ) -> Work | None:
     """Run bulk call ``op`` on a list: a broadcast from a root, or (``how`` says) a reduction."""
     data = _unwrapped(group)
-    root, reduce_op, xs, specs = UNSET, None, [], []
-    checked_timeout, is_async, bucket, reads = None, False, 0, False
-    with local.Captured() as captured:
-        root, reduce_op = how()
-        checked_timeout, is_async = checks.check_call(timeout, async_op)
-        bucket = local.check_bucket_bytes(bucket_bytes, default_bucket)
-        xs = local.check_list(tensors, "tensors")
-        labels = [f"tensors[{i}]" for i in range(len(xs))]
-        specs = local.check_buffers(group, xs, labels, reduce_op)
-        reads = reduce_op is not None or group.rank == root
-        if reduce_op is not None or not reads:
-            xs = local.check_outputs(group, xs, labels)
-        if reduce_op is not None:
-            local.check_no_overlap(xs, labels)
-    ok = captured.error is None
-    listing = local.listing(specs, None) if ok else None
-    count, bucket = (len(xs), bucket) if ok else (UNSET, 0)
-    claim = Claim(op, "tensors", root, reduce_op, count, bucket, listing, True, captured.error)
-    like = _like(group, xs)
-    agreement = agree(data, claim, checked_timeout, _on_device(like))
-    moves = _moves(data, agreement, bucket, xs, reads, like, checked_timeout, root, reduce_op)
-    return start(op, moves, is_async)
+    with held(data, op) as turn:
+        root, reduce_op, xs, specs = UNSET, None, [], []
+        checked_timeout, is_async, bucket, reads = None, False, 0, False
+        with local.Captured() as captured:
+            root, reduce_op = how()
+            checked_timeout, is_async = checks.check_call(timeout, async_op)
+            bucket = local.check_bucket_bytes(bucket_bytes, default_bucket)
+            xs = local.check_list(tensors, "tensors")
+            labels = [f"tensors[{i}]" for i in range(len(xs))]
+            specs = local.check_buffers(group, xs, labels, reduce_op)
+            reads = reduce_op is not None or group.rank == root
+            if reduce_op is not None or not reads:
+                xs = local.check_outputs(group, xs, labels)
+            if reduce_op is not None:
+                local.check_no_overlap(xs, labels)
+        ok = captured.error is None
+        listing = local.listing(specs, None) if ok else None
+        count, bucket = (len(xs), bucket) if ok else (UNSET, 0)
+        claim = Claim(op, "tensors", root, reduce_op, count, bucket, listing, True, captured.error)
+        like = _like(group, xs)
+        turn.bound(AGREEMENT_OPS, checked_timeout or group.timeout)
+        agreement = agree(data, claim, checked_timeout, _on_device(like))
+        moves = _moves(data, agreement, bucket, xs, reads, like, checked_timeout, root, reduce_op)
+        return start(op, moves, is_async, turn)
 
 
 def broadcast_state_dict(
@@ -127,47 +130,49 @@ def broadcast_state_dict(
 ) -> dict[str, Any] | None:
     """Run ``collective.broadcast_state_dict`` on ``group``; see there."""
     data = _unwrapped(group)
-    root, entries, specs = UNSET, {}, []
-    checked_timeout, is_strict = None, True
-    receiving = False
-    with local.Captured() as captured:
-        root = checks.check_rank(src_rank, group.world_size, "src_rank")
-        receiving = group.rank != root
-        checked_timeout = checks.check_timeout(timeout)
-        is_strict = checks.check_bool(strict, "strict")
-        bucket = local.check_bucket_bytes(bucket_bytes, _broadcast_bucket(group))
-        if state_dict is None and not receiving:
-            raise ArgumentValueError(f"state_dict is required on src_rank ({root}), got None")
-        if state_dict is not None:
-            entries = local.check_state_dict(state_dict)
-            labels = [f"state_dict[{key!r}]" for key in entries]
-            specs = local.check_buffers(group, list(entries.values()), labels, None)
-            if receiving:
-                views = local.check_outputs(group, list(entries.values()), labels)
-                entries = dict(zip(entries, views, strict=True))
-    given = state_dict is not None and captured.error is None
-    listing = local.listing(specs, list(entries)) if given else None
-    bucket = bucket if captured.error is None else 0
-    claim = Claim(
-        "broadcast_state_dict", "state_dict", root, None, UNSET, bucket, listing, is_strict,
-        captured.error,
-    )  # fmt: skip
-    xs = list(entries.values())
-    agreement = agree(data, claim, checked_timeout, _on_device(_like(group, xs)))
-    result = state_dict if receiving else None
-    if state_dict is None and agreement.source_order is not None:
-        source = agreement.source_order
-        names = source.names or ()
-        result = entries = {
-            name: tensor.empty(dtype, shape, group.device_type)
-            for name, dtype, shape in zip(names, source.dtypes, source.shapes, strict=True)
-        }
-    layout = agreement.layout
-    ordered = [entries.get(name) for name in layout.names or ()]
-    like = _like(group, [x for x in ordered if x is not None])
-    moves = _moves(data, agreement, bucket, ordered, not receiving, like, checked_timeout, root)
-    start("broadcast_state_dict", moves, False)
-    return result
+    with held(data, "broadcast_state_dict") as turn:
+        root, entries, specs = UNSET, {}, []
+        checked_timeout, is_strict = None, True
+        receiving = False
+        with local.Captured() as captured:
+            root = checks.check_rank(src_rank, group.world_size, "src_rank")
+            receiving = group.rank != root
+            checked_timeout = checks.check_timeout(timeout)
+            is_strict = checks.check_bool(strict, "strict")
+            bucket = local.check_bucket_bytes(bucket_bytes, _broadcast_bucket(group))
+            if state_dict is None and not receiving:
+                raise ArgumentValueError(f"state_dict is required on src_rank ({root}), got None")
+            if state_dict is not None:
+                entries = local.check_state_dict(state_dict)
+                labels = [f"state_dict[{key!r}]" for key in entries]
+                specs = local.check_buffers(group, list(entries.values()), labels, None)
+                if receiving:
+                    views = local.check_outputs(group, list(entries.values()), labels)
+                    entries = dict(zip(entries, views, strict=True))
+        given = state_dict is not None and captured.error is None
+        listing = local.listing(specs, list(entries)) if given else None
+        bucket = bucket if captured.error is None else 0
+        claim = Claim(
+            "broadcast_state_dict", "state_dict", root, None, UNSET, bucket, listing, is_strict,
+            captured.error,
+        )  # fmt: skip
+        xs = list(entries.values())
+        turn.bound(AGREEMENT_OPS, checked_timeout or group.timeout)
+        agreement = agree(data, claim, checked_timeout, _on_device(_like(group, xs)))
+        result = state_dict if receiving else None
+        if state_dict is None and agreement.source_order is not None:
+            source = agreement.source_order
+            names = source.names or ()
+            result = entries = {
+                name: tensor.empty(dtype, shape, group.device_type)
+                for name, dtype, shape in zip(names, source.dtypes, source.shapes, strict=True)
+            }
+        layout = agreement.layout
+        ordered = [entries.get(name) for name in layout.names or ()]
+        like = _like(group, [x for x in ordered if x is not None])
+        moves = _moves(data, agreement, bucket, ordered, not receiving, like, checked_timeout, root)
+        start("broadcast_state_dict", moves, False, turn)
+        return result
 
 
 def _broadcast_bucket(group: BaseGroup) -> int:
@@ -175,15 +180,12 @@ def _broadcast_bucket(group: BaseGroup) -> int:
 
 
 def _unwrapped(group: BaseGroup) -> BaseGroup:
-    """Return the group that moves a bulk call's data, once a running bulk call has finished.
+    """Return the group that moves a bulk call's data.
 
     A group with ``check_args`` compares every op's arguments; the bulk call's own
-    agreement compares more, so its ops go to the group underneath. A bulk call with
-    ``async_op`` still running on the group finishes first.
+    agreement compares more, so its ops go to the group underneath.
     """
-    data = group.inner if isinstance(group, CheckedGroup) else group
-    settle(data)
-    return data
+    return group.inner if isinstance(group, CheckedGroup) else group
 
 
 def _like(group: BaseGroup, xs: list[Any]) -> Any:

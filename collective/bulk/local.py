@@ -7,7 +7,6 @@ makes every rank raise it.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from dataclasses import replace
 from types import TracebackType
@@ -105,7 +104,11 @@ def check_list(xs: Any, name: str) -> list[Any]:
 
 
 def check_state_dict(state_dict: Any) -> dict[str, Any]:
-    """Return ``state_dict`` as a dict if it maps str keys to anything."""
+    """Return ``state_dict`` as a dict if it maps str keys that UTF-8 can encode to anything.
+
+    The keys travel to the other ranks as UTF-8; a lone surrogate (U+D800)
+    has no UTF-8 form.
+    """
     if not isinstance(state_dict, Mapping):
         raise ArgumentTypeError(
             f"state_dict must be a dict of str to tensors, got {type(state_dict).__name__}"
@@ -115,6 +118,13 @@ def check_state_dict(state_dict: Any) -> dict[str, Any]:
             raise ArgumentTypeError(
                 f"state_dict keys must be str, got {type(key).__name__} key {key!r}"
             )
+        try:
+            key.encode()
+        except UnicodeEncodeError as exc:
+            raise ArgumentValueError(
+                f"state_dict keys must be encodable as UTF-8, got key {key!r} ({exc.reason} "
+                f"at character {exc.start})"
+            ) from None
     return dict(state_dict)
 
 
@@ -135,13 +145,21 @@ def check_outputs(group: BaseGroup, xs: list[Any], labels: list[str]) -> list[An
 
 
 def check_no_overlap(xs: list[Any], labels: list[str]) -> None:
-    """Reject buffers of a reduction that share memory: each would be reduced twice."""
+    """Reject buffers of a reduction that share an element: it would be reduced twice.
+
+    Views of one buffer that share no element (``x[0::2]`` and ``x[1::2]``) pass.
+    """
     spans = sorted(
         (span, i) for i, x in enumerate(xs) if (span := tensor.memory_span(x))[0] != span[1]
     )
-    for (span, i), (other, j) in itertools.pairwise(spans):
-        if tensor.spans_overlap(span, other):
-            first, second = sorted((i, j))
-            raise ArgumentValueError(
-                f"{labels[first]} and {labels[second]} share memory; pass distinct buffers"
-            )
+    reach: list[tuple[int, int]] = []
+    """The buffers whose spans may still reach the next one's, as (end, index)."""
+    for (start, end), i in spans:
+        reach = [(e, j) for e, j in reach if e > start]
+        for _, j in reach:
+            if tensor.shares_elements(xs[i], xs[j]):
+                first, second = sorted((i, j))
+                raise ArgumentValueError(
+                    f"{labels[first]} and {labels[second]} share memory; pass distinct buffers"
+                )
+        reach.append((end, i))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 from collective import tensor
 from collective.bulk.plan import Step, staging_bytes
+from collective.bulk.turns import AGREEMENT_OPS, Turn
 from collective.groups.base import BaseGroup
 from collective.tensor import ITEMSIZE, Staging
 from collective.types import (
@@ -33,6 +33,9 @@ from collective.work import OnceWork, Work
 
 DEPTH = 2
 """Ops in flight at once, and staging buffers per call."""
+
+_END_S = 5.0
+"""How long a ``wait`` that ran out waits for the aborted call's thread to end."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,63 @@ class Moves:
     moves them as one message (``BaseGroup.takes_lists``); then ``steps`` go unused."""
 
 
-def run(moves: Moves) -> None:
-    """Issue every op of ``moves`` in order and finish each; return once all have finished."""
+class HaltedError(Exception):
+    """An async bulk call stopped because its ``wait`` ran out; it writes nothing more."""
+
+
+class Halt:
+    """Whether an async bulk call may still write into its tensors; ``stop`` ends that.
+
+    The call's thread writes only inside ``writing``, and says ``finish`` once it has
+    written everything; ``stop`` waits for a write in progress, so that nothing is
+    written after it returns.
+    """
+
+    def __init__(self) -> None:
+        """Let the call write."""
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._finished = False
+
+    def check(self) -> None:
+        """Raise ``HaltedError`` once ``stop`` has run."""
+        if self._stopped:
+            raise HaltedError
+
+    def writing(self, write: Callable[[], None]) -> None:
+        """Run ``write`` unless the call was stopped (then raise ``HaltedError``)."""
+        with self._lock:
+            self.check()
+            write()
+
+    def finish(self) -> None:
+        """Record that the call has written everything; raise ``HaltedError`` if it was stopped."""
+        with self._lock:
+            self.check()
+            self._finished = True
+
+    def stop(self) -> bool:
+        """Stop the call's writes; return False if it had already written everything."""
+        with self._lock:
+            self._stopped = not self._finished
+            return self._stopped
+
+
+_FREE = Halt()
+"""The halt of a blocking call, which nobody stops."""
+
+
+def run(moves: Moves, halt: Halt = _FREE) -> None:
+    """Issue every op of ``moves`` in order and finish each; return once all have finished.
+
+    The tensors are written only while ``halt`` lets them: a stopped call raises
+    ``HaltedError`` before its next write or op.
+    """
     if moves.whole is not None:
+        halt.check()
         options = BroadcastOptions(moves.root, 0, moves.timeout)
         moves.group.broadcast_list(moves.whole, options).wait()
+        halt.finish()
         return
     slots: list[Staging] = []
     free: list[int] = []
@@ -76,7 +131,7 @@ def run(moves: Moves) -> None:
         work.wait()
         if slot is not None:
             if moves.writes:
-                slots[slot].unpack(items)
+                halt.writing(lambda: slots[slot].unpack(items))
             free.append(slot)
 
     cpu = moves.group.device_type == "cpu"
@@ -100,11 +155,13 @@ def run(moves: Moves) -> None:
                 buffer = staging.bytes(0, step.nbytes)
             else:
                 buffer = staging.typed(0, step.nbytes // ITEMSIZE[step.dtype], step.dtype)
+        halt.check()
         pending.append((_issue(moves, buffer, not blocking), slot, items))
         if len(pending) > DEPTH:
             finish()
     while pending:
         finish()
+    halt.finish()
 
 
 def _in_place(moves: Moves, step: Step) -> Any | None:
@@ -158,17 +215,26 @@ class BulkWork(OnceWork):
     """The ``Work`` of a bulk call with ``async_op``: its ops run in a thread of their own.
 
     The thread queues its GPU copies on the stream that was current for the caller
-    at the call; ``wait`` orders the waiter's current stream after them.
+    at the call; ``wait`` orders the waiter's current stream after them. A ``wait``
+    that runs out ends the call as a plain op's does: it aborts the group, and no
+    more is written into the call's tensors once it has raised.
     """
 
-    def __init__(self, op: str, moves: Moves, bound: timedelta) -> None:
-        """Start running ``moves``, the ops of ``op``, in a thread; ``bound`` limits a ``wait``."""
+    def __init__(self, op: str, moves: Moves, bound: timedelta, turn: Turn) -> None:
+        """Start running ``moves``, the ops of ``op``, in a thread; ``bound`` limits a ``wait``.
+
+        ``turn`` is given back once the thread has ended.
+        """
         super().__init__(bound)
         self._op = op
         self._moves: Moves | None = moves
-        self._where = (moves.group.group_name, moves.group.rank, moves.group.timeout)
+        self._group = moves.group
+        self._turn = turn
+        self._halt = Halt()
+        self._expired: CollectiveTimeoutError | None = None
         self._stream = tensor.caller_stream(moves.like)
         self._order: Callable[[], None] = lambda: None
+        self._ended = threading.Event()
         self._complete_in_background(f"collective-{moves.group.group_name}-{op}")
 
     def _complete(self, timeout: timedelta | None) -> None:
@@ -176,61 +242,66 @@ class BulkWork(OnceWork):
         try:
             if moves is not None:
                 with tensor.using_stream(moves.like, self._stream):
-                    run(moves)
+                    run(moves, self._halt)
                 self._order = tensor.mark(moves.like, self._stream)
         except BaseException as exc:
-            self._error = exc
+            self._error = self._expired or exc
         finally:
             self._moves = None  # the call's tensors are the caller's again
+            self._turn.release()
+            self._ended.set()
 
     def wait(self, timeout: timedelta | None = None) -> None:
-        """Block until every op of the call has finished and its results are written."""
-        super().wait(timeout)
+        """Block until every op of the call has finished and its results are written.
+
+        Raises:
+            CollectiveTimeoutError: ``timeout`` (by default the call's bound) passed
+                first; the group is aborted, and the tensors are no longer written.
+            CollectiveError: an op of the call failed.
+
+        """
+        if not self._ended.wait(self._wait_seconds(timeout)):
+            expired = self._expire(timeout)
+            if not self._ended.wait(_END_S):
+                raise expired
+        if self._error is not None:
+            raise self._error
         self._order()
 
-    def _give_up(self, timeout: timedelta | None) -> BaseException:
-        name, rank, own = self._where
-        waited = timeout or self._timeout or own
-        detail = "its ops had not all finished"
-        return CollectiveTimeoutError(self._op, name, rank, waited, detail)
+    def _expire(self, timeout: timedelta | None) -> CollectiveTimeoutError:
+        """Stop the call that a wait of ``timeout`` gave up on: abort its group; return the error.
+
+        A call that has already written everything is left to end by itself.
+        """
+        group = self._group
+        waited = timeout or self._timeout or group.timeout
+        detail = "its ops had not all finished, and the group was aborted"
+        error = CollectiveTimeoutError(self._op, group.group_name, group.rank, waited, detail)
+        if self._halt.stop():
+            self._expired = error
+            group.abort(str(error))
+        return error
 
     def is_completed(self) -> bool:
         """Return whether every op of the call has finished, successfully or not."""
-        return self._done
+        return self._ended.is_set()
 
     def exception(self) -> BaseException | None:
         """Return the call's failure once it has finished with one, else None."""
-        return self._error if self._done else None
+        return self._error if self._ended.is_set() else None
 
 
-_running: weakref.WeakKeyDictionary[BaseGroup, BulkWork] = weakref.WeakKeyDictionary()
-_running_lock = threading.Lock()
+def start(op: str, moves: Moves, async_op: bool, turn: Turn) -> Work | None:
+    """Run ``moves``, the ops of ``op``, now (None), or in a thread whose ``Work`` is returned.
 
-
-def settle(group: BaseGroup) -> None:
-    """Wait until the last async bulk call on ``group`` has finished, whatever its outcome.
-
-    A bulk call's ops must not interleave with another's; that call's own ``wait``
-    reports its failure.
+    ``turn``, the call's hold on its group, is given back once its ops have ended.
     """
-    with _running_lock:
-        work = _running.get(group)
-    if work is None or work.is_completed():
-        return
-    try:
-        work.wait()
-    except BaseException:
-        pass
-
-
-def start(op: str, moves: Moves, async_op: bool) -> Work | None:
-    """Run ``moves``, the ops of ``op``, now (None), or in a thread whose ``Work`` is returned."""
+    own = moves.timeout or moves.group.timeout
+    turn.bound(len(moves.steps) + AGREEMENT_OPS, own)
     if not async_op:
-        run(moves)
+        try:
+            run(moves)
+        finally:
+            turn.release()
         return None
-    group = moves.group
-    own = moves.timeout or group.timeout
-    work = BulkWork(op, moves, own * (len(moves.steps) + 1))
-    with _running_lock:
-        _running[group] = work
-    return work
+    return BulkWork(op, moves, own * (len(moves.steps) + 1), turn)

@@ -114,9 +114,12 @@ class FailureWatch:
                     self._on_failure(self._failure)
             return
 
-    def progress(self, op_number: int) -> str:
-        """Ask the other ranks how far they got; describe who never joined op ``op_number``."""
-        return progress.ask(self._store, self._rank, self._world_size, op_number, abort_key)
+    def progress(self, op_number: int, wait: timedelta = progress.ANSWER_WAIT) -> str:
+        """Ask the other ranks how far they got; describe who never joined op ``op_number``.
+
+        The answers are waited for up to ``wait`` in all.
+        """
+        return progress.ask(self._store, self._rank, self._world_size, op_number, abort_key, wait)
 
     def report(self, failure: str) -> None:
         """Tell every other rank that this one failed with ``failure``; never raises."""

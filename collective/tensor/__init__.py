@@ -40,6 +40,7 @@ from collective.tensor.memory import (
     overlap_message,
     overlaps,
     self_overlapping,
+    shares_elements,
     spans_overlap,
     write_hazards,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "record_stream",
     "segments",
     "self_overlapping",
+    "shares_elements",
     "spans_overlap",
     "spec",
     "split_rows",

@@ -54,6 +54,44 @@ def overlaps(a: Any, b: Any) -> bool:
     return spans_overlap(memory_span(a), memory_span(b))
 
 
+_SOLVER_WORK: Any = 1 << 16
+"""The most steps numpy's exact overlap solver may take before ``shares_elements`` assumes one."""
+
+_TOO_HARD: Any = getattr(np, "exceptions", np).TooHardError
+
+
+class _Phantom:
+    """An ``__array_interface__`` over a layout's addresses; its memory is never read."""
+
+    def __init__(self, layout: tuple[int, int, list[tuple[int, int]]]) -> None:
+        start, itemsize, dims = layout
+        self.__array_interface__ = {
+            "data": (start, True),
+            "shape": tuple(size for size, _ in dims),
+            "strides": tuple(stride for _, stride in dims),
+            "typestr": f"|V{itemsize}",
+            "version": 3,
+        }
+
+
+def shares_elements(a: Any, b: Any) -> bool:
+    """Return whether an element of ``a`` and one of ``b`` share a byte of memory.
+
+    Views of one buffer that interleave (``x[0::2]`` and ``x[1::2]``) span the same
+    memory but share none. Only the buffers' addresses and strides are looked at,
+    never their memory, so GPU buffers are answered too. A layout too intricate to
+    settle quickly counts as shared.
+    """
+    first, second = layout_of(a), layout_of(b)
+    if not spans_overlap(span_of(first), span_of(second)):
+        return False
+    phantoms = np.asarray(_Phantom(first)), np.asarray(_Phantom(second))
+    try:
+        return bool(np.shares_memory(*phantoms, max_work=_SOLVER_WORK))
+    except _TOO_HARD:
+        return True
+
+
 SAME, PARTIAL = 1, 2
 """How an input relates to an output in ``aliasing``; 0 means disjoint."""
 

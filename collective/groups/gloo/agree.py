@@ -5,7 +5,7 @@ gloo moves bytes only: ranks that pass different sizes make it abort the process
 dtypes or reductions get mixed data without an error. So before every collective
 each rank describes its call (``Call``) in ``WIDTH`` int64 words, the ranks
 allgather them in one record each, and every rank compares all of them
-(``disagreement``). Alltoall then allgathers each rank's bytes per peer. A send
+(``disagreement``). Alltoall then allgathers each rank's elements per peer. A send
 goes out behind a header of its dtype and size, which the receiver compares with
 its own buffer (``Header``). ``base`` runs these exchanges.
 
@@ -56,7 +56,7 @@ class Call:
     ``count`` is the elements of the buffer every rank passes (the input of
     allgather and gather, the output of reducescatter and scatter); ``length`` the
     buffers in the op's list where every rank has one. ``sends`` and ``receives``
-    are alltoall's bytes to and from each peer.
+    are alltoall's elements to and from each peer (of the one dtype the ranks agree on).
     """
 
     op: str
@@ -181,12 +181,12 @@ def disagreement(op: str, group_name: str, words: Sequence[Sequence[int]]) -> Ar
 def unpaired(group_name: str, sizes: Sequence[Sequence[int]]) -> ArgumentValueError | None:
     """Return the error of an alltoall whose sizes do not pair up, or None when they do.
 
-    ``sizes[i]`` is rank i's bytes to each peer, then its bytes from each peer.
+    ``sizes[i]`` is rank i's elements to each peer, then its elements from each peer.
     """
     n = len(sizes)
     sends = [row[:n] for row in sizes]
     receives = [row[n:] for row in sizes]
-    lines = signature.unpaired(sends, receives, "bytes")
+    lines = signature.unpaired(sends, receives, "elements")
     return _error("alltoall", group_name, lines) if lines else None
 
 

@@ -65,7 +65,7 @@ class GlooGroup(GlooGroupBase):
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""
         buf = self._one(tensors, "tensor", writable=True)
-        op = c10d_reduce_op(options.reduce_op)
+        op = c10d_reduce_op(options.reduce_op, buf.dtype)
         return self._run(
             "allreduce",
             options,
@@ -92,7 +92,7 @@ class GlooGroup(GlooGroupBase):
         """
         is_root = self.rank == options.root_rank
         buf = self._one(tensors, "tensor", writable=is_root)
-        op, root = c10d_reduce_op(options.reduce_op), options.root_rank
+        op, root = c10d_reduce_op(options.reduce_op, buf.dtype), options.root_rank
 
         def start(timeout: timedelta | None) -> Any:
             tensor = buf.tensor if is_root else buf.tensor.clone()
@@ -344,8 +344,8 @@ class GlooGroup(GlooGroupBase):
                 "alltoall",
                 ins[0].dtype if ins else None,
                 length=len(ins),
-                sends=tuple(in_splits),
-                receives=tuple(out_splits),
+                sends=tuple(t.numel() for t in sent),
+                receives=tuple(t.numel() for t in out),
             ),
         )
 

@@ -99,7 +99,9 @@ def flat_bytes(chunks: Sequence[Any]) -> Any | None:
 
     Chunks are adjacent when each is contiguous and starts where the one before ends,
     as the views of one flat buffer do; their sizes may differ. Every byte of the
-    result then belongs to one of the chunks, so it stays valid while they live.
+    result belongs to one of the chunks, and the result keeps them alive: an async
+    op that holds it may outlive the caller's references to the chunks (staged
+    copies of non-contiguous buffers have no other).
     """
     import torch
 
@@ -116,6 +118,7 @@ def flat_bytes(chunks: Sequence[Any]) -> Any | None:
     if len(chunks) == 1:
         return byte_view(first)
     memory = (ctypes.c_uint8 * (end - start)).from_address(start)
+    memory.owners = list(chunks)
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 

@@ -51,8 +51,19 @@ def call_options(kind: str, timeout: timedelta | None, **fields: Any) -> Any:
     return options
 
 
-def c10d_reduce_op(op: ReduceOp) -> Any:
-    """Return torch's ``ReduceOp`` for ``op``."""
+_ON_BOOL = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}
+"""What gloo runs for a reduction on bool, which it reduces as bytes: SUM is OR, PRODUCT AND."""
+
+
+def c10d_reduce_op(op: ReduceOp, dtype: str) -> Any:
+    """Return torch's ``ReduceOp`` that runs ``op`` on ``dtype`` tensors.
+
+    Gloo adds and multiplies bool tensors as bytes (True + True holds 2, and 256
+    Trues wrap to False), so on bool SUM runs as MAX (OR) and PRODUCT as MIN
+    (AND), as the shared-memory path and numpy reduce them.
+    """
+    if dtype == "bool":
+        op = _ON_BOOL.get(op, op)
     return getattr(c10d().ReduceOp, op.name)
 
 

@@ -12,14 +12,29 @@ from __future__ import annotations
 import numpy as np
 
 from collective.groups.shm.arena import MAIL_CONSUMED, MAIL_POSTED, Arena
+from collective.groups.shm.steps import dtype_code as code_of
+from collective.groups.shm.steps import itemsize
 from collective.groups.shm.sync import Counter, Waiter
+from collective.tensor import DTYPES
 
 _HEADER = 64
 """Bytes at the start of each mailbox: the message's size and dtype code."""
 
 
+_NAMES = {code_of(name): name for name in DTYPES}
+"""The dtype name of each code a mailbox header carries."""
+
+
 class MessageMismatchError(Exception):
     """A received message's size or dtype differs from the receiving buffer's."""
+
+
+def describe(nbytes: int, code: int) -> str:
+    """Return a message of ``nbytes`` of dtype ``code`` as a buffer, e.g. ``float32[8]``."""
+    name = _NAMES.get(code)
+    if name is None:
+        return f"{nbytes} bytes of unknown dtype code {code}"
+    return f"{name}[{nbytes // itemsize(name)}]"
 
 
 def _pair_counter(arena: Arena, sender: int, receiver: int, word: int, owner: int) -> Counter:
@@ -97,7 +112,7 @@ class Mail:
 
         Raises:
             MessageMismatchError: the message's size or dtype differs from ``data``'s; the whole
-                message has been read, and ``data`` holds an unspecified prefix of it.
+                message has been read, and ``data`` left unchanged.
 
         """
         wait, advance = self._waiter.wait, self._waiter.advance
@@ -117,6 +132,7 @@ class Mail:
             advance(consumed, chunk + 1)
         if total != data.size or code != dtype_code:
             raise MessageMismatchError(
-                f"local rank {peer} sent {total} bytes of dtype code {code}, but this rank "
-                f"receives {data.size} bytes of dtype code {dtype_code}"
+                f"local rank {peer} sent {describe(total, code)}, but this rank receives into "
+                f"{describe(data.size, dtype_code)}; the message was dropped and nothing was "
+                "written"
             )
