@@ -83,20 +83,25 @@ def test_an_expired_wait_aborts_the_group_and_the_call_writes_no_more(
     """Rank 0 gives up on an async broadcast whose source stalls after the agreement.
 
     The source's data ops wait until rank 0's wait has expired: a stalled peer,
-    faked by holding back its group's ``broadcast``.
+    faked by holding back its group's ``broadcast`` and ``broadcast_list``.
     """
     expired, joined = threading.Event(), threading.Event()
 
     def fn(group: BaseGroup, rank: int) -> dict[str, Any]:
         xs = [torch.full((1000,), float(rank)) for _ in range(8)]
         if rank == 1:
-            broadcast = group.broadcast
+            broadcast, broadcast_list = group.broadcast, group.broadcast_list
 
             def stalled(tensors: Any, options: Any) -> Work:
                 expired.wait(30)
                 return broadcast(tensors, options)
 
+            def stalled_list(tensors: Any, options: Any) -> Work:
+                expired.wait(30)
+                return broadcast_list(tensors, options)
+
             group.broadcast = stalled  # type: ignore[method-assign]
+            group.broadcast_list = stalled_list  # type: ignore[method-assign]
             try:
                 calls.broadcast_tensors(
                     group, xs, 1, bucket_bytes=1024, timeout=timedelta(seconds=2)
