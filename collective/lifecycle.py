@@ -127,7 +127,11 @@ def _join_and_build(
     except (TimeoutError, CollectiveTimeoutError) as exc:
         detail = exc.detail if isinstance(exc, CollectiveTimeoutError) else str(exc)
         detail = f"{detail}; {rendezvous.missing_ranks_detail(store)}"
+        rendezvous.leave_store(store, rank)
         raise CollectiveTimeoutError("init", group_name, rank, timeout, detail) from exc
+    except BaseException:
+        rendezvous.leave_store(store, rank)
+        raise
     return (CheckedGroup(group) if check_args else group), store
 
 
@@ -158,7 +162,8 @@ def build_incarnation(
     Raises:
         ArgumentValueError: the ranks passed different ``check_args``.
         CollectiveError, TimeoutError: the build failed; for a shrink or grow, the
-            change was abandoned, and the group's old incarnation stays.
+            change was abandoned, and the group's old incarnation stays. A rank of
+            an incarnation made by init has not left it: the caller leaves it.
 
     """
     name = store.group_name
@@ -167,9 +172,7 @@ def build_incarnation(
             rendezvous.agree(store, "check_args", rank, check_args, timeout)
         group = build(world_size, rank, name, store, timeout, node_ip(), options=options)
     except BaseException as exc:
-        if commit_s is None:
-            rendezvous.leave_store(store, rank)
-        else:
+        if commit_s is not None:
             with contextlib.suppress(CollectiveError):
                 rendezvous.commit(store, rank, exc, 0.0)
         raise

@@ -139,7 +139,7 @@ def agree(store: RayRendezvousStore, topic: str, rank: int, value: Any, timeout:
             f"every rank of group {store.group_name!r} must pass the same {topic}: {passed}"
         )
     if status == "timeout":
-        raise TimeoutError(f"ranks {detail} came to agree on {topic}; the others did not")
+        raise TimeoutError(f"not every rank came to compare {topic} in time (ranks {detail} did)")
     if status == "gone":
         raise CollectiveError(f"the rendezvous of group {store.group_name!r} is over: {detail}")
 
