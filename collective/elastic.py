@@ -16,6 +16,7 @@ again, with its new rank, at its next op.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -61,7 +62,8 @@ def shrink_group(
         ValueError, TypeError: ``exclude`` or ``timeout`` is invalid (this rank only),
             or the members passed different ``exclude`` lists (every member).
         CollectiveTimeoutError: a member that is alive did not call in time; names it.
-        CollectiveError: the group is not a Ray group, or the new transports failed.
+        CollectiveError: the group is not a Ray group, or the new transports failed
+            (the group then stays as it was).
 
     """
     group, store = _ray_group(group_name, "shrink_group")
@@ -88,13 +90,17 @@ def grow_group(
         world_size: the new number of ranks, larger than the current one.
         timeout: how long to wait for the others; None takes the group's timeout.
 
+    The group's old incarnation stays until every member and newcomer has built the
+    new transports; a grow that fails leaves the group as it was, usable.
+
     Raises:
         ValueError, TypeError: ``world_size`` or ``timeout`` is invalid (this rank
-            only), or the members passed different sizes (every member).
+            only), or the members passed different sizes, or a newcomer another
+            ``check_args`` (every member).
         CollectiveTimeoutError: a member or newcomer did not come in time; names it.
-        CollectiveError: a member died meanwhile (shrink first), the group was
-            declared from the driver (use ``grow_declared_group``), or the new
-            transports failed.
+        CollectiveError: a member or newcomer died meanwhile (names it; after a
+            member's death, shrink first), the group was declared from the driver
+            (use ``grow_declared_group``), or the new transports failed.
 
     """
     if world_size is None:
@@ -213,8 +219,9 @@ def _reshape(
     term: list[int] | int,
     wait: timedelta,
 ) -> int:
-    """Agree on the change in the store, retire the old transports, and connect new ones."""
+    """Agree on the change in the store, connect the new transports, then retire the old ones."""
     seconds = wait.total_seconds()
+    deadline = time.monotonic() + seconds
     op = f"{kind}_group"
     status, detail = store.call(
         kind, group.rank, current_member(), term, seconds, timeout_s=seconds + RPC_GRACE_S
@@ -227,26 +234,28 @@ def _reshape(
         raise CollectiveError(f"{op} on group {name!r} failed on rank {group.rank}: {detail}")
     incarnation, numbering, size = detail
     rank = numbering[group.rank]
-    reason = f"group {name!r} moved to a new incarnation by {op}"
-    group.retire(reason)
-    lifecycle.end_subgroups(
-        store.incarnation, f"its parent group {name!r} was reshaped by {op}; make it again"
-    )
     fresh = RayRendezvousStore(store.handle, name, incarnation)
     inner = group.inner if isinstance(group, CheckedGroup) else group
+    checked = isinstance(group, CheckedGroup)
     try:
-        built: BaseGroup = constructor(type(inner))(
-            size, rank, name, fresh, group.timeout, lifecycle.node_ip(), options=group.options
+        built = lifecycle.build_incarnation(
+            constructor(type(inner)),
+            size,
+            rank,
+            fresh,
+            group.timeout,
+            group.options,
+            checked if kind == "grow" else None,
+            max(deadline - time.monotonic(), 0.001),
         )
-    except BaseException as exc:
-        rendezvous.leave_store(fresh, rank)
-        lifecycle.forget(name)
-        if isinstance(exc, CollectiveError):
-            raise
-        raise CollectiveError(f"{op} on group {name!r} failed on rank {rank}: {exc!r}") from exc
-    if isinstance(group, CheckedGroup):
-        built = CheckedGroup(built)
-    lifecycle.replace_group(name, built, fresh)
+    except (CollectiveError, TimeoutError) as exc:
+        raise CollectiveError(
+            f"{op} on group {name!r} failed on rank {group.rank}: {exc}; the group keeps "
+            f"its {group.world_size} ranks"
+        ) from exc
+    group.retire(f"group {name!r} moved to a new incarnation by {op}")
+    lifecycle.end_subgroups(store.incarnation, f"its parent group {name!r} was reshaped by {op}")
+    lifecycle.replace_group(name, CheckedGroup(built) if checked else built, fresh)
     return rank
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from collective import checks, registry, rendezvous
 from collective.checked import CheckedGroup
-from collective.groups.base import BaseGroup, constructor
+from collective.groups.base import BaseGroup, GroupConstructor, constructor
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
 from collective.types import (
@@ -96,23 +98,96 @@ def _join_and_build(
     declared: bool = False,
     options: GroupOptions | None = None,
 ) -> tuple[BaseGroup, RayRendezvousStore]:
-    """Meet the other ranks through the group's store actor and connect to them."""
+    """Meet the other ranks through the group's store actor and connect to them.
+
+    The ranks of a group made by init agree on ``check_args`` first (a declared
+    group's ranks all read it from the declaration). A newcomer of a grow commits
+    once connected, and the grow ends for every rank if it cannot.
+    """
     cls = registry.group_class(backend)
+    start = time.monotonic()
     try:
-        store, _ = rendezvous.join_store(group_name, rank, world_size, backend, timeout, declared)
+        store, newcomer = rendezvous.join_store(
+            group_name, rank, world_size, backend, timeout, declared
+        )
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
+    commit_s = _left(start, timeout) if newcomer else None
     try:
-        build = constructor(cls)
-        group = build(world_size, rank, group_name, store, timeout, node_ip(), options=options)
-    except CollectiveTimeoutError as exc:
-        detail = f"{exc.detail}; {rendezvous.missing_ranks_detail(store)}"
+        group = build_incarnation(
+            constructor(cls),
+            world_size,
+            rank,
+            store,
+            timeout,
+            options,
+            None if declared else check_args,
+            commit_s,
+        )
+    except (TimeoutError, CollectiveTimeoutError) as exc:
+        detail = exc.detail if isinstance(exc, CollectiveTimeoutError) else str(exc)
+        detail = f"{detail}; {rendezvous.missing_ranks_detail(store)}"
         rendezvous.leave_store(store, rank)
         raise CollectiveTimeoutError("init", group_name, rank, timeout, detail) from exc
     except BaseException:
         rendezvous.leave_store(store, rank)
         raise
     return (CheckedGroup(group) if check_args else group), store
+
+
+def build_incarnation(
+    build: GroupConstructor,
+    world_size: int,
+    rank: int,
+    store: RayRendezvousStore,
+    timeout: timedelta,
+    options: GroupOptions | None,
+    check_args: bool | None,
+    commit_s: float | None,
+) -> BaseGroup:
+    """Build this rank's transports on ``store``'s incarnation; commit it if a change made it.
+
+    Args:
+        build: the group's class.
+        world_size: the incarnation's number of ranks.
+        rank: this rank in it.
+        store: the incarnation's rendezvous.
+        timeout: the group's timeout.
+        options: the group's settings.
+        check_args: this rank's ``check_args``, which every rank must share (compared
+            first); None compares nothing.
+        commit_s: for an incarnation a shrink or grow made, how long to wait for the
+            other ranks to commit; None for one made by init.
+
+    Raises:
+        ArgumentValueError: the ranks passed different ``check_args``.
+        CollectiveError, TimeoutError: the build failed; for a shrink or grow, the
+            change was abandoned, and the group's old incarnation stays. A rank of
+            an incarnation made by init has not left it: the caller leaves it.
+
+    """
+    name = store.group_name
+    try:
+        if check_args is not None:
+            rendezvous.agree(store, "check_args", rank, check_args, timeout)
+        group = build(world_size, rank, name, store, timeout, node_ip(), options=options)
+    except BaseException as exc:
+        if commit_s is not None:
+            with contextlib.suppress(CollectiveError):
+                rendezvous.commit(store, rank, exc, 0.0)
+        raise
+    if commit_s is not None:
+        try:
+            rendezvous.commit(store, rank, None, commit_s)
+        except BaseException:
+            group.destroy_group()
+            raise
+    return group
+
+
+def _left(start: float, timeout: timedelta) -> float:
+    """Return the seconds of ``timeout`` left since ``start`` (monotonic), at least a little."""
+    return max(start + timeout.total_seconds() - time.monotonic(), 0.001)
 
 
 def create_group(group_name: str, build: Callable[[], tuple[BaseGroup, Any]]) -> None:
@@ -247,7 +322,8 @@ def init_collective_group(
         check_args: before every op, compare the ranks' arguments (op, dtype, shape,
             root, reduce op) over the group and raise ``ValueError`` on every rank if
             they differ, or if one rank's own argument checks failed. Costs one
-            small allgather per op.
+            small allgather per op. Every rank must pass the same value; ranks
+            that differ all get a ``ValueError`` naming each rank's, and no group.
         strict_buffers: refuse read-only output buffers (an actor argument, a
             ``ray.get`` result) with ``ValueError`` instead of writing them with a
             warning; None reads ``COLLECTIVE_STRICT_BUFFERS``.

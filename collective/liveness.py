@@ -79,6 +79,24 @@ async def _job_dead(job_id: str) -> bool:
     return bool(jobs) and all(job.is_dead for job in jobs.values())
 
 
+def driver_node(job_id: str) -> str | None:
+    """Return the node id (hex) of the live driver of ``job_id``, or None if Ray does not say.
+
+    A blocking query, for a process outside the store actor.
+    """
+    try:
+        jobs = _gcs().get_all_job_info(
+            job_or_submission_id=job_id,
+            skip_submission_job_info_field=True,
+            skip_is_running_tasks_field=True,
+            timeout=_QUERY_TIMEOUT_S,
+        )
+    except Exception:
+        return None
+    nodes = [job.driver_address.node_id for job in jobs.values() if not job.is_dead]
+    return nodes[0].hex() if nodes and nodes[0] else None
+
+
 async def dead_actors(actor_ids: Iterable[str]) -> set[str]:
     """Return those of ``actor_ids`` that Ray reports dead or no longer knows."""
     ids = sorted(set(actor_ids))

@@ -19,12 +19,14 @@ from collective.store_client import (
     connection,
     set_end_handler,
 )
-from collective.types import CollectiveError
+from collective.types import ArgumentValueError, CollectiveError
 
 __all__ = [
     "STORE_ACTOR_NAME",
     "Declaration",
     "RayRendezvousStore",
+    "agree",
+    "commit",
     "declaration",
     "declare_store",
     "end_group",
@@ -71,18 +73,21 @@ def join_store(
     backend: str,
     timeout: timedelta,
     declared: bool = False,
-) -> tuple[RayRendezvousStore, str]:
+) -> tuple[RayRendezvousStore, bool]:
     """Join ``group_name`` as ``rank`` in the shared store, creating the store if needed.
 
     A name still held by an earlier group (members leaving, or a complete group
     this rank does not fit) is waited for, up to ``timeout``.
 
     Returns:
-        The group's store and its incarnation id.
+        The group's store, and whether this rank is a newcomer of a grow: it then
+        commits (``commit``) once it has built its transports.
 
     Raises:
-        CollectiveError: the membership disagrees (rank taken, other world size).
-        TimeoutError: the name stayed held, or no store answered, within ``timeout``.
+        CollectiveError: the membership disagrees (rank taken, other world size), or
+            the grow this rank came to failed.
+        TimeoutError: the name stayed held, no store answered, or the grow this rank
+            came to timed out, within ``timeout``.
 
     """
     member = current_member()
@@ -100,14 +105,66 @@ def join_store(
         except CollectiveError:
             time.sleep(_RETRY_S)
             continue
-        if status == "ok":
+        if status in ("ok", "grow"):
             connection.listen(handle)
-            return RayRendezvousStore(handle, group_name, detail), detail
+            return RayRendezvousStore(handle, group_name, detail), status == "grow"
         if status == "error":
             raise CollectiveError(f"cannot join group {group_name!r}: {detail}")
+        if status == "timeout":
+            raise TimeoutError(detail)
         if status == "held":
             raise TimeoutError(_held_message(group_name, detail))
         _until_gone(handle, group_name, deadline)
+
+
+def agree(store: RayRendezvousStore, topic: str, rank: int, value: Any, timeout: timedelta) -> None:
+    """Return once every rank of the store's incarnation passed the same ``value`` for ``topic``.
+
+    Raises:
+        ArgumentValueError: the ranks passed different values; names each rank's.
+        TimeoutError: not every rank came within ``timeout``; names those that did.
+        CollectiveError: the incarnation ended meanwhile; says why.
+
+    """
+    seconds = timeout.total_seconds()
+    status, detail = store.call(
+        "agree", topic, rank, value, seconds, timeout_s=seconds + RPC_GRACE_S
+    )
+    if status == "mismatch":
+        by_value: dict[Any, list[int]] = {}
+        for voter, voted in sorted(detail.items()):
+            by_value.setdefault(voted, []).append(voter)
+        passed = "; ".join(f"ranks {ranks} passed {v!r}" for v, ranks in by_value.items())
+        raise ArgumentValueError(
+            f"every rank of group {store.group_name!r} must pass the same {topic}: {passed}"
+        )
+    if status == "timeout":
+        raise TimeoutError(f"not every rank came to compare {topic} in time (ranks {detail} did)")
+    if status == "gone":
+        raise CollectiveError(f"the rendezvous of group {store.group_name!r} is over: {detail}")
+
+
+def commit(store: RayRendezvousStore, rank: int, built: BaseException | None, wait: float) -> None:
+    """Commit this rank of the store's incarnation, which a shrink or grow made.
+
+    ``built`` is None once this rank has built its transports, else why it could
+    not. Waits up to ``wait`` seconds for the other ranks to commit.
+
+    Raises:
+        CollectiveError: the change was abandoned (by this rank, or another rank
+            could not build, died, or did not commit in time); says why. The old
+            incarnation stays the group's.
+
+    """
+    why = "" if built is None else f"{type(built).__name__}: {built}"
+    try:
+        status, detail = store.call(
+            "commit", rank, built is None, why, wait, timeout_s=wait + RPC_GRACE_S
+        )
+    except TimeoutError as exc:
+        raise CollectiveError(str(exc)) from exc
+    if status != "ok":
+        raise CollectiveError(detail)
 
 
 def leave_store(store: RayRendezvousStore, rank: int) -> None:

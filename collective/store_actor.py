@@ -68,6 +68,7 @@ class StoreActor(ElasticMethods):
         self._idle_since = time.monotonic()
         self._exiting = False
         self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # --- groups: made, joined, left, ended -------------------------------------------------
 
@@ -110,9 +111,11 @@ class StoreActor(ElasticMethods):
         not fit, keeps the rank waiting (up to ``timeout_s``) until it is over.
 
         Returns:
-            ``("ok", incarnation)``; ``("error", message)``; ``("held", (ranks,
-            conflict))`` when the name stayed held; ``("retry", None)`` when this
-            actor is exiting.
+            ``("ok", incarnation)``; ``("grow", incarnation)`` for a newcomer of a
+            grow, which commits (``commit``) once it has built its transports;
+            ``("error", message)``; ``("timeout", message)`` when the grow it came to
+            timed out; ``("held", (ranks, conflict))`` when the name stayed held;
+            ``("retry", None)`` when this actor is exiting.
 
         """
         self._start_sweeping()
@@ -123,14 +126,25 @@ class StoreActor(ElasticMethods):
                 if declared:
                     return "error", "it is no longer declared: the driver destroyed it"
                 group = self._groups[name] = GroupState(None, set(), Incarnation())
-            change = None if declared else reshape.newcomer(group, rank, world_size, member)
+            change = (
+                None if declared else reshape.newcomer(group, rank, world_size, member, deadline)
+            )
+            if isinstance(change, tuple):
+                return "timeout" if change[0] == "timeout" else "error", change[1]
             if change is not None:
                 status, outcome = await self._reshaped(name, group, change, deadline)
-                return (status, outcome[0]) if status == "ok" else (status, outcome)
+                if status == "ok":
+                    return "grow", outcome[0]
+                why = f"the {change.terms()} it came to failed: {outcome}"
+                return ("timeout" if status == "timeout" else "error"), why
             verdict, detail = group.admit(rank, world_size, backend, member, declared)
             if verdict != "wait":
                 return verdict, detail
-            if not await wait_first([group.current.over, group.stirred], deadline):
+            group.waiting[rank] = (member, world_size)
+            woken = await wait_first([group.current.over, group.stirred], deadline)
+            if group.waiting.get(rank) == (member, world_size):
+                del group.waiting[rank]  # kept if Ray cancelled this call: its caller died
+            if not woken:
                 return "held", detail
         return "retry", None
 
@@ -234,8 +248,14 @@ class StoreActor(ElasticMethods):
     # --- keys ------------------------------------------------------------------------------
 
     def _world(self, name: str, incarnation: str) -> Incarnation | None:
+        """Return ``incarnation`` of ``name``: the current one, or the one being built."""
         group = self._groups.get(name)
-        return group.current if group is not None and group.current.id == incarnation else None
+        if group is None:
+            return None
+        if group.current.id == incarnation:
+            return group.current
+        building = group.building.following if group.building is not None else None
+        return building if building is not None and building.id == incarnation else None
 
     def _gone_reason(self, name: str, incarnation: str) -> str:
         return self._gone.get(incarnation, f"group {name!r} no longer exists")
@@ -261,6 +281,34 @@ class StoreActor(ElasticMethods):
         if world is not None and key in world.values:
             return "ok", world.values[key]
         return "gone", self._gone_reason(name, incarnation)
+
+    async def agree(
+        self, name: str, incarnation: str, topic: str, rank: int, value: Any, timeout_s: float
+    ) -> tuple[str, Any]:
+        """Record ``rank``'s ``value`` on ``topic``; wait for every rank's, up to ``timeout_s``.
+
+        Returns:
+            ``("ok", None)`` once every rank of the incarnation voted the same value;
+            ``("mismatch", {rank: value})`` once every rank voted and two votes
+            differ, or at the timeout if two of those in differ; ``("timeout", ranks
+            that voted)``; ``("gone", reason)`` when the incarnation is over.
+
+        """
+        world = self._world(name, incarnation)
+        if world is None:
+            return "gone", self._gone_reason(name, incarnation)
+        deadline = time.monotonic() + timeout_s
+        votes = world.vote(topic, rank, value)
+        while len(votes) < (world.world_size or 0) and not world.reason:
+            if not await wait_event(world.voted(topic), deadline):
+                break
+        if len(set(votes.values())) > 1:
+            return "mismatch", dict(votes)
+        if world.reason:
+            return "gone", world.reason
+        if len(votes) < (world.world_size or 0):
+            return "timeout", sorted(votes)
+        return "ok", None
 
     async def delete(self, name: str, incarnation: str, key: str) -> None:
         """Remove ``key`` if it is present."""
@@ -299,6 +347,11 @@ class StoreActor(ElasticMethods):
         world = group.current if group is not None and not incarnation else None
         world = world or self._world(name, incarnation)
         return (world.world_size, sorted(world.joined)) if world else (None, [])
+
+    async def waiting(self, name: str) -> list[int]:
+        """Return the ranks that wait to join ``name`` by init and do not fit it yet."""
+        group = self._groups.get(name)
+        return sorted(group.waiting) if group is not None else []
 
     # --- notices to member processes -------------------------------------------------------
 

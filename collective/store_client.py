@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from collective import liveness
 from collective.store import RendezvousStore
 from collective.store_actor import STORE_ACTOR_NAME, StoreActor
 from collective.types import CollectiveError
@@ -51,8 +52,12 @@ class _Connection:
             return self._handle
 
     def get_or_create(self) -> Any:
-        """Return the store actor's handle, creating the actor if the namespace has none."""
+        """Return the store actor's handle, creating the actor if the namespace has none.
+
+        A new actor is pinned to the node of this job's driver (see ``home_node``).
+        """
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         with self._lock:
             if self._handle is None:
@@ -65,6 +70,7 @@ class _Connection:
                         num_cpus=0,
                         max_restarts=0,
                         max_concurrency=10_000,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(home_node(), soft=False),
                     )
                     .remote()
                 )
@@ -112,6 +118,32 @@ connection = _Connection()
 """This process's link to the namespace's store actor."""
 
 
+def home_node() -> str:
+    """Return the node a new store actor is pinned to: the one of this job's driver.
+
+    The driver's node outlives the job's actors on other nodes, which may go away
+    while their groups' survivors still need the store. Inside an actor or task whose
+    driver Ray cannot name, it is the caller's own node.
+    """
+    import ray
+
+    context = ray.get_runtime_context()
+    if context.worker.mode != ray.WORKER_MODE:
+        return context.get_node_id()
+    return liveness.driver_node(context.get_job_id()) or context.get_node_id()
+
+
+def store_gone(group: str, exc: BaseException) -> CollectiveError:
+    """Return the error that says the store actor hosting ``group``'s rendezvous is gone."""
+    return CollectiveError(
+        f"the rendezvous store of group {group!r} is gone (its store actor "
+        f"{STORE_ACTOR_NAME!r} died: {type(exc).__name__}): the group can no longer "
+        "meet, shrink or grow, and its members no longer hear of each other's failures; "
+        "destroy the group on every member and create it again, which starts a new store "
+        f"actor. Ray said: {exc}"
+    )
+
+
 def set_end_handler(handler: EndHandler) -> None:
     """Install what runs when a driver ends a group this process joined."""
     connection.on_end = handler
@@ -138,23 +170,26 @@ def call(handle: Any, method: str, *args: Any, group: str, timeout_s: float = RP
 
     Raises:
         TimeoutError: no reply within ``timeout_s``.
-        CollectiveError: the store actor is dead or failed.
+        CollectiveError: the store actor is gone (died, was killed, ran out of memory,
+            or its node went away); says so and what to do.
 
     """
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayError, RayTaskError
 
     try:
         ref = getattr(handle, method).remote(*args)
     except Exception as exc:  # Ray refuses to submit to an actor it knows is gone.
         connection.forget(handle)
-        raise CollectiveError(f"the store actor of group {group!r} died: {exc}") from exc
+        raise store_gone(group, exc) from exc
     try:
         return _result(ref, timeout_s)
     except TimeoutError as exc:
         raise TimeoutError(f"the store actor gave no reply to {method} in {timeout_s}s") from exc
-    except RayActorError as exc:
+    except RayTaskError:
+        raise  # a defect in the store actor's method, not its loss
+    except RayError as exc:
         connection.forget(handle)
-        raise CollectiveError(f"the store actor of group {group!r} died: {exc}") from exc
+        raise store_gone(group, exc) from exc
 
 
 class RayRendezvousStore(RendezvousStore):

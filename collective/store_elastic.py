@@ -6,6 +6,7 @@ and uses the actor's groups, listeners and incarnation bookkeeping.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ class ElasticMethods:
     if TYPE_CHECKING:  # what StoreActor provides
         _groups: dict[str, GroupState]
         _listeners: dict[str, Listener]
+        _tasks: set[asyncio.Task[None]]
 
         def _start_sweeping(self) -> None: ...
         async def _settled(self, name: str) -> GroupState | None: ...
@@ -99,7 +101,7 @@ class ElasticMethods:
                 f"group {name!r} was declared from the driver: grow it there with "
                 "grow_declared_group"
             )
-        change = reshape.enter(group, kind, rank, member, world_size, exclude)
+        change = reshape.enter(group, kind, rank, member, world_size, exclude, deadline)
         if isinstance(change, tuple):
             return change
         return await self._reshaped(name, group, change, deadline)
@@ -110,13 +112,15 @@ class ElasticMethods:
         """Wait until ``change`` is decided (or ``deadline``); return its outcome.
 
         While it waits, the store asks the GCS every ``RESHAPE_POLL_S`` whether the
-        members it waits for are alive: a member that dies meanwhile is dropped from
-        a shrink, and fails a grow, within about that delay.
+        members and newcomers it waits for are alive, and once more just before it
+        decides: a member that dies meanwhile is dropped from a shrink, and a member
+        or newcomer that dies fails a grow, within about that delay.
         """
         while change.outcome is None:
-            old = reshape.decide(group, name)
-            if old is not None:
-                self._retire(name, old, change)
+            if not reshape.missing(group):
+                await self._mark_deaths(name, group)
+            if reshape.decide(group) is not None:
+                self._watch_building(name, group, change)
                 break
             if change.outcome is not None:
                 break
@@ -124,15 +128,23 @@ class ElasticMethods:
                 reshape.give_up(group, change, self._late(group, change))
                 break
             await wait_event(change.changed, min(deadline, time.monotonic() + RESHAPE_POLL_S))
-            if self._groups.get(name) is group:
-                held = group.current.holders()
-                group.mark_dead(await liveness.dead_members(held.values()))
+            await self._mark_deaths(name, group)
         assert change.outcome is not None
         return change.outcome
 
+    async def _mark_deaths(self, name: str, group: GroupState) -> None:
+        """Mark the dead members of ``name``; fail the grow in progress if a newcomer died."""
+        if self._groups.get(name) is not group:
+            return
+        held = group.current.holders()
+        coming = reshape.newcomers(group)
+        dead = await liveness.dead_members([*held.values(), *coming.values()])
+        group.mark_dead(dead)
+        reshape.fail_dead_newcomers(group, name, dead)
+
     def _late(self, group: GroupState, change: reshape.Reshape) -> str:
         """Describe who did not come in time to ``change``, members and newcomers apart."""
-        terms = reshape.describe(change.kind, change.world_size, change.exclude)
+        terms = change.terms()
         size = group.current.world_size or 0
         waited = reshape.missing(group)
         members = [r for r in waited if r < size]
@@ -145,10 +157,94 @@ class ElasticMethods:
             )
         return f"{'; '.join(parts)} in time (ranks {sorted(change.arrived)} did)"
 
+    # --- building the decided change ---------------------------------------------------------
+
+    async def commit(
+        self, name: str, incarnation: str, rank: int, built: bool, why: str, timeout_s: float
+    ) -> tuple[str, str]:
+        """Say that ``rank`` of the new ``incarnation`` built its transports (or why not).
+
+        Waits up to ``timeout_s`` for every rank of it to commit; the new incarnation
+        then becomes the group's current one. A rank that could not build, one that
+        dies, or one that does not commit in time abandons the change: every rank
+        keeps the old incarnation.
+
+        Returns:
+            ``("ok", "")``; ``(status, why)`` with status ``"error"`` or ``"timeout"``
+            when the change was abandoned.
+
+        """
+        group = self._groups.get(name)
+        change = group.building if group is not None else None
+        following = change.following if change is not None else None
+        if group is None or change is None or following is None or following.id != incarnation:
+            return "error", self._gone_reason(name, incarnation)
+        if not built:
+            self._abandon(name, group, change, "error", f"rank {rank} could not build it: {why}")
+        else:
+            old = reshape.commit(group, change, rank)
+            if old is not None:
+                self._retire(name, old, change)
+        deadline = time.monotonic() + timeout_s
+        while change.committed is None:
+            if not await wait_event(change.changed, deadline):
+                self._abandon(
+                    name,
+                    group,
+                    change,
+                    "timeout",
+                    reshape.unbuilt(change, set(), group.current.world_size or 0),
+                )
+        return change.committed
+
+    def _watch_building(self, name: str, group: GroupState, change: reshape.Reshape) -> None:
+        """Abandon ``change`` when a rank of its next incarnation dies, or by its deadline."""
+
+        async def watch() -> None:
+            following = change.following
+            while change.committed is None and following is not None:
+                await wait_event(
+                    change.changed, min(change.deadline, time.monotonic() + RESHAPE_POLL_S)
+                )
+                if change.committed is not None:
+                    return
+                dead = await liveness.dead_members(following.joined.values())
+                if dead & {m.key for m in following.joined.values()}:
+                    self._abandon(
+                        name,
+                        group,
+                        change,
+                        "error",
+                        reshape.unbuilt(change, dead, group.current.world_size or 0),
+                    )
+                elif time.monotonic() >= change.deadline:
+                    self._abandon(
+                        name,
+                        group,
+                        change,
+                        "timeout",
+                        reshape.unbuilt(change, dead, group.current.world_size or 0),
+                    )
+
+        task = asyncio.get_running_loop().create_task(watch())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _abandon(
+        self, name: str, group: GroupState, change: reshape.Reshape, status: str, why: str
+    ) -> None:
+        """Abandon building ``change`` for ``why``; its next incarnation ends, the old one stays."""
+        reason = (
+            f"{change.terms()} of group {name!r} failed: {why}; the group keeps its "
+            f"{group.current.world_size} ranks"
+        )
+        following = reshape.abandon(group, change, status, reason)
+        if following is not None:
+            self._forget(following, reason)
+
     def _retire(self, name: str, old: Incarnation, change: reshape.Reshape) -> None:
-        """End ``old``, the incarnation a decided ``change`` replaced; tell its excluded ranks."""
-        terms = reshape.describe(change.kind, change.world_size, change.exclude)
-        reason = f"group {name!r} moved to a new incarnation by {terms}"
+        """End ``old``, the incarnation a built ``change`` replaced; tell its excluded ranks."""
+        reason = f"group {name!r} moved to a new incarnation by {change.terms()}"
         for rank in change.exclude:
             holder = old.holders().get(rank)
             if holder is None:

@@ -47,6 +47,8 @@ class Incarnation:
     dead: set[int] = field(default_factory=set)
     values: dict[str, bytes] = field(default_factory=dict)
     events: dict[str, asyncio.Event] = field(default_factory=dict)
+    votes: dict[str, dict[int, Any]] = field(default_factory=dict)
+    """What each rank voted on each topic of ``StoreActor.agree``."""
     over: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
 
@@ -68,6 +70,21 @@ class Incarnation:
         self.values[key] = value
         self.events.setdefault(key, asyncio.Event()).set()
 
+    def vote(self, topic: str, rank: int, value: Any) -> dict[int, Any]:
+        """Record ``rank``'s ``value`` on ``topic`` and wake its waiters; return the votes."""
+        votes = self.votes.setdefault(topic, {})
+        votes[rank] = value
+        key = f"\x00vote/{topic}"
+        woken = self.events.get(key)
+        self.events[key] = asyncio.Event()
+        if woken is not None:
+            woken.set()
+        return votes
+
+    def voted(self, topic: str) -> asyncio.Event:
+        """Return the event the next vote on ``topic`` (or the end) sets."""
+        return self.events.setdefault(f"\x00vote/{topic}", asyncio.Event())
+
     def end(self, reason: str) -> None:
         """Wake everyone waiting on this incarnation; it is over."""
         self.reason = reason
@@ -87,6 +104,15 @@ class GroupState:
     """Members (by key) that left the group after joining it, or died."""
     reshape: Reshape | None = None
     """The shrink or grow in progress, if any (see ``store_reshape``)."""
+    building: Reshape | None = None
+    """The decided shrink or grow whose next incarnation its ranks are building, if any."""
+    failed: Reshape | None = None
+    """The last shrink or grow that failed, for the members that come to it late."""
+    waiting: dict[int, tuple[Member, int]] = field(default_factory=dict)
+    """The ranks waiting to join a group they do not fit, by init: member and world size.
+
+    A newcomer waits here for the grow it comes to; the grow learns of it even if Ray
+    cancelled the newcomer's call, as it does when the caller dies."""
     stirred: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a shrink or grow starts, so that ranks waiting to join look again."""
 

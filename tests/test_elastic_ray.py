@@ -17,6 +17,7 @@ import pytest
 import ray
 
 import collective as col
+from collective.rendezvous import STORE_ACTOR_NAME
 from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,
@@ -265,7 +266,8 @@ def test_subgroups_of_a_shrunk_group_end_and_say_so(fresh: Any, no_leaks: None) 
     for actor, sub in zip(actors[:2], subs[:2], strict=True):
         message = ray.get(actor.run.remote(_next_op, sub), timeout=RAY_TIMEOUT_S)
         assert message.startswith("GroupNotFoundError"), message
-        assert "was reshaped by shrink_group" in message, message
+        assert message.endswith("was reshaped by shrink_group; create it again to use it"), message
+        assert "make it again" not in message, message
         ray.get(actor.run.remote(_destroy, sub), timeout=RAY_TIMEOUT_S)
     again = run_all(actors[:2], _subgroup_then_op, [name] * 2)
     assert all(again), again
@@ -400,4 +402,148 @@ def test_a_newcomer_without_a_grow_is_told_to_have_the_members_grow(
     message = ray.get(actors[2].run.remote(init), timeout=RAY_TIMEOUT_S)
     assert message.startswith("CollectiveTimeoutError"), message
     assert "its members call grow_group(world_size=3)" in message, message
+    run_all(actors[:2], _destroy, [name] * 2)
+
+
+def _die_once_joined(world_size: int, rank: int, name: str) -> None:
+    """Join ``name`` as a newcomer, and let this process die right after the store took it."""
+    from collective import lifecycle
+
+    def exit_now(*args: Any, **kwargs: Any) -> None:
+        os._exit(1)
+
+    lifecycle.constructor = lambda cls: exit_now  # type: ignore[assignment, return-value]
+    col.init_collective_group(world_size, rank, "gloo", name, timeout=TIMEOUT)
+
+
+def _grow_failure_then_old_group(name: str, world_size: int) -> tuple[str, float, tuple]:
+    message, at = _grow_outcome(name, world_size)
+    return message, at, _allreduce(name, float(col.get_rank(name) + 1))
+
+
+def _assert_grow_failed_on_a_dead_newcomer(results: list, since: float) -> None:
+    for message, _, _ in results:
+        assert message.startswith("CollectiveError"), results
+        assert "newcomer ranks [2] died" in message and "keeps its 2 ranks" in message, results
+    took = [round(at - since, 3) for _, at, _ in results]
+    print(f"\nfrom the newcomer's death to the failed grow: {took} s")
+    assert max(took) < TIMEOUT.total_seconds() / 2, took
+    assert [old for _, _, old in results] == [(0, 2, 3.0), (1, 2, 3.0)], results
+
+
+def test_a_newcomer_that_dies_right_after_it_joins_fails_the_grow_and_the_group_goes_on(
+    fresh: Any, no_leaks: None
+) -> None:
+    """Issue 27 item 4: the grow raises on every member, naming it; the old group works."""
+    actors = fresh(3)
+    name = unique_name("diejoin")
+    _group(actors[:2], name)
+    refs = [a.run.remote(_grow_failure_then_old_group, name, 3) for a in actors[:2]]
+    time.sleep(1.0)
+    newcomer = actors[2].run.remote(_die_once_joined, 3, 2, name)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(newcomer, timeout=RAY_TIMEOUT_S)
+    died = time.time()
+    _assert_grow_failed_on_a_dead_newcomer(ray.get(refs, timeout=RAY_TIMEOUT_S), died)
+    run_all(actors[:2], _destroy, [name] * 2)
+
+
+def test_a_newcomer_killed_while_it_waits_for_the_grow_fails_it_and_the_group_goes_on(
+    fresh: Any, no_leaks: None
+) -> None:
+    """Issue 27 item 4: a newcomer dead before the grow began fails it at once, by name."""
+    actors = fresh(3)
+    name = unique_name("diewait")
+    _group(actors[:2], name)
+    waiting = actors[2].run.remote(_init, 3, 2, name)
+    store = ray.get_actor(STORE_ACTOR_NAME)
+    deadline = time.monotonic() + RAY_TIMEOUT_S
+    while ray.get(store.waiting.remote(name), timeout=RAY_TIMEOUT_S) != [2]:
+        assert time.monotonic() < deadline, "the newcomer never came to wait"
+        time.sleep(0.05)
+    ray.kill(actors[2])
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(waiting, timeout=RAY_TIMEOUT_S)
+    started = time.time()
+    refs = [a.run.remote(_grow_failure_then_old_group, name, 3) for a in actors[:2]]
+    _assert_grow_failed_on_a_dead_newcomer(ray.get(refs, timeout=RAY_TIMEOUT_S), started)
+    run_all(actors[:2], _destroy, [name] * 2)
+
+
+def _timed_grow(name: str, world_size: int, seconds: float) -> tuple[str, float]:
+    start = time.monotonic()
+    message = _outcome(col.grow_group, name, world_size, timeout=timedelta(seconds=seconds))
+    return message, time.monotonic() - start
+
+
+def test_a_member_late_for_a_mismatched_grow_gets_the_mismatch_at_once(
+    fresh: Any, no_leaks: None
+) -> None:
+    actors = fresh(3)
+    name = unique_name("latemis")
+    _group(actors, name)
+    pairs = zip(actors[:2], (4, 5), strict=True)
+    refs = [a.run.remote(_timed_grow, name, size, 5.0) for a, size in pairs]
+    first = ray.get(refs, timeout=RAY_TIMEOUT_S)
+    late, took = ray.get(actors[2].run.remote(_timed_grow, name, 4, 5.0), timeout=RAY_TIMEOUT_S)
+    for message in [*(m for m, _ in first), late]:
+        assert message.startswith("ArgumentValueError"), (first, late)
+        assert "every member must make the same call" in message, (first, late)
+    assert took < 2.0, (late, took)
+    assert "did not call" not in late, late
+    assert run_all(actors, _allreduce, [name] * 3, [1.0] * 3) == [(r, 3, 3.0) for r in range(3)]
+    run_all(actors, _destroy, [name] * 3)
+
+
+def _init_outcome(world_size: int, rank: int, name: str, seconds: float) -> str:
+    timeout = timedelta(seconds=seconds)
+    return _outcome(col.init_collective_group, world_size, rank, "gloo", name, timeout=timeout)
+
+
+def test_a_newcomer_whose_grow_timed_out_is_told_the_grow_failed(
+    fresh: Any, no_leaks: None
+) -> None:
+    actors = fresh(3)
+    name = unique_name("growfail")
+    _group(actors[:2], name)
+    refs = [a.run.remote(_timed_grow, name, 4, 2.0) for a in actors[:2]]
+    newcomer = actors[2].run.remote(_init_outcome, 4, 2, name, 10.0)
+    members = ray.get(refs, timeout=RAY_TIMEOUT_S)
+    message = ray.get(newcomer, timeout=RAY_TIMEOUT_S)
+    assert all(m.startswith("CollectiveTimeoutError") for m, _ in members), members
+    assert message.startswith("CollectiveTimeoutError"), message
+    assert "grow_group(world_size=4) it came to failed" in message, message
+    assert "newcomer ranks [3] did not call" in message, message
+    assert "no store actor" not in message, message
+    assert run_all(actors[:2], _allreduce, [name] * 2, [1.0, 2.0]) == [(0, 2, 3.0), (1, 2, 3.0)]
+    run_all(actors[:2], _destroy, [name] * 2)
+
+
+def _init_checked(world_size: int, rank: int, name: str, check_args: bool) -> str:
+    return _outcome(
+        col.init_collective_group,
+        world_size,
+        rank,
+        "gloo",
+        name,
+        timeout=TIMEOUT,
+        check_args=check_args,
+    )
+
+
+def test_a_newcomer_with_other_check_args_fails_the_grow_and_the_group_goes_on(
+    fresh: Any, no_leaks: None
+) -> None:
+    """Issue 27: check_args is compared at grow; every rank names each rank's value."""
+    actors = fresh(3)
+    name = unique_name("growcheck")
+    _group(actors[:2], name)
+    refs = [a.run.remote(_grow_failure_then_old_group, name, 3) for a in actors[:2]]
+    newcomer = ray.get(actors[2].run.remote(_init_checked, 3, 2, name, True), timeout=RAY_TIMEOUT_S)
+    results = ray.get(refs, timeout=RAY_TIMEOUT_S)
+    for message in [newcomer, *(m for m, _, _ in results)]:
+        assert "must pass the same check_args" in message, (newcomer, results)
+        assert "ranks [0, 1] passed False; ranks [2] passed True" in message, (newcomer, results)
+    assert newcomer.startswith("ArgumentValueError"), newcomer
+    assert [old for _, _, old in results] == [(0, 2, 3.0), (1, 2, 3.0)], results
     run_all(actors[:2], _destroy, [name] * 2)

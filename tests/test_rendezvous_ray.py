@@ -24,6 +24,7 @@ from tests.conftest import (
     run_all,
     unique_name,
 )
+from tests.nccl_binding import no_driver
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -174,8 +175,86 @@ def test_more_groups_cost_no_process_and_little_time_and_the_idle_store_exits(
     assert later < 0.3, took
     for n in names:
         assert run_all(pair, _destroy, [n, n]) == [False, False]
+    print(f"the idle store actor exited {_store_exit_s():.2f} s after the last destroy")
+
+
+def _store_exit_s() -> float:
+    """Wait for the store actor to exit once idle; return how long it took."""
     idle_at = time.monotonic()
     while our_named_actors() and time.monotonic() - idle_at < IDLE_GRACE_S + 5 * SWEEP_S + 10:
         time.sleep(0.1)
     assert our_named_actors() == []
-    print(f"the idle store actor exited {time.monotonic() - idle_at:.2f} s after the last destroy")
+    return time.monotonic() - idle_at
+
+
+def _nccl_group_life(world_size: int, rank: int, name: str) -> list[str]:
+    """Make an NCCL group on a ``ContractCupy`` (no GPU), form its communicators, destroy it.
+
+    The group runs every store call a real one makes: the meeting at init, the unique
+    ID of its collective communicator (published by rank 0, read by the others), and
+    the leave at destroy. Returns the NCCL calls, to show the communicator was made.
+    """
+    from collective.groups.nccl import comm
+    from tests.nccl_binding import ContractCupy
+
+    cupy = ContractCupy()
+    comm._probe = lambda: (cupy, "")  # type: ignore[assignment]
+    col.init_collective_group(world_size, rank, backend="nccl", group_name=name)
+    group: Any = col.get_group_handle(name)
+    group._collective_comms([0], group.timeout)
+    col.destroy_collective_group(name)
+    return sorted({entry.name for entry in cupy.trace.entries})
+
+
+@pytest.mark.skipif(
+    not no_driver(),
+    reason="a CUDA driver is present: tests/gpu/test_ray_actors.py covers this on the GPU",
+)
+def test_the_store_actor_exits_after_an_nccl_groups_destroy_as_after_a_cpu_groups(
+    members: list,
+) -> None:
+    """Issue 28 item 4: an NCCL group's keys and state keep the store no longer than a CPU one's.
+
+    The store exits ``IDLE_GRACE_S`` after the last group of the namespace ends,
+    whichever backend it had; a check right after the destroy is too early.
+    """
+    name = unique_name("nccl")
+    calls = run_all(members[:2], _nccl_group_life, [2, 2], [0, 1], [name, name])
+    assert calls == [
+        ["NcclCommunicator", "destroy", "get_unique_id", "groupEnd", "groupStart"],
+        ["NcclCommunicator", "destroy", "groupEnd", "groupStart"],
+    ], calls
+    assert live_groups() == []
+    took = _store_exit_s()
+    print(f"\nthe store actor exited {took:.2f} s after the NCCL group's destroy")
+    assert took < IDLE_GRACE_S + 3 * SWEEP_S, took
+
+
+def _init_checked(rank: int, name: str, check_args: bool) -> tuple[str, str, float, bool]:
+    start = time.monotonic()
+    try:
+        col.init_collective_group(
+            3, rank, backend="gloo", group_name=name, timeout=TIMEOUT, check_args=check_args
+        )
+        outcome = ("returned", "")
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    return (*outcome, time.monotonic() - start, col.is_group_initialized(name))
+
+
+def test_ranks_that_pass_different_check_args_all_get_a_clear_error_before_any_group(
+    members: list,
+) -> None:
+    """Issue 27: check_args is compared at init; every rank names each rank's value."""
+    name = unique_name("checkargs")
+    refs = [
+        members[r].run.remote(_init_checked, r, name, check)
+        for r, check in enumerate((True, False, True))
+    ]
+    outcomes = ray.get(refs, timeout=RAY_TIMEOUT_S)
+    for kind, message, took, held in outcomes:
+        assert kind == "ArgumentValueError", outcomes
+        assert "must pass the same check_args" in message, outcomes
+        assert "ranks [1] passed False" in message and "passed True" in message, outcomes
+        assert took < TIMEOUT.total_seconds() / 2, outcomes
+        assert not held, outcomes
