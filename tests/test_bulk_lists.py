@@ -17,7 +17,7 @@ import torch
 from collective.bulk import calls
 from collective.groups.base import BaseGroup
 from collective.groups.cpu import CpuGroup
-from collective.groups.shm.algorithms import _cut
+from collective.groups.shm.lists import cut
 from collective.tensor import Staging
 from tests.test_gloo_group import run_ranks
 from tests.test_shm import run_cpu
@@ -25,9 +25,9 @@ from tests.test_shm import run_cpu
 
 def test_a_list_is_cut_into_slots_end_to_end() -> None:
     datas = [np.zeros(n, np.uint8) for n in (5, 0, 3, 9, 1)]
-    cut = _cut(datas, 4)
+    steps = cut(datas, 4)
     index = {id(d): i for i, d in enumerate(datas)}
-    spans = [[(index[id(d)], a, b, at) for d, a, b, at in s] for s in cut]
+    spans = [[(index[id(d)], a, b, at) for d, a, b, at in s] for s in steps]
     assert spans == [
         [(0, 0, 4, 0)],
         [(0, 4, 5, 0), (2, 0, 3, 1)],
@@ -35,9 +35,9 @@ def test_a_list_is_cut_into_slots_end_to_end() -> None:
         [(3, 4, 8, 0)],
         [(3, 8, 9, 0), (4, 0, 1, 1)],
     ]
-    assert _cut([], 4) == [[]]
-    assert _cut([np.zeros(0, np.uint8)], 4) == [[]]
-    assert [len(s) for s in _cut([np.zeros(8, np.uint8)], 4)] == [1, 1]
+    assert cut([], 4) == [[]]
+    assert cut([np.zeros(0, np.uint8)], 4) == [[]]
+    assert [len(s) for s in cut([np.zeros(8, np.uint8)], 4)] == [1, 1]
 
 
 def _many(rank: int, count: int) -> list[Any]:

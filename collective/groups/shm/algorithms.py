@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from collective.groups.shm.kernels import Reducer
+from collective.groups.shm.lists import broadcast_list
 from collective.groups.shm.steps import Steps, itemsize
 from collective.types import ArgumentValueError
 
@@ -36,28 +37,6 @@ def _spans(nbytes: int, step_bytes: int) -> list[tuple[int, int]]:
     if nbytes == 0:
         return [(0, 0)]
     return [(a, min(a + step_bytes, nbytes)) for a in range(0, nbytes, step_bytes)]
-
-
-def _cut(
-    datas: Sequence[np.ndarray], step_bytes: int
-) -> list[list[tuple[np.ndarray, int, int, int]]]:
-    """Return, per step, the ``(data, start, end, slot offset)`` pieces of ``datas`` end to end.
-
-    One step (of no pieces) when there are no bytes at all, as ``_spans``.
-    """
-    steps: list[list[tuple[np.ndarray, int, int, int]]] = [[]]
-    room = step_bytes
-    for data in datas:
-        start = 0
-        while start < data.size:
-            if room == 0:
-                steps.append([])
-                room = step_bytes
-            end = min(data.size, start + room)
-            steps[-1].append((data, start, end, step_bytes - room))
-            room -= end - start
-            start = end
-    return steps
 
 
 def _piece_bytes(steps: Steps, itemsize: int = 8) -> int:
@@ -114,34 +93,9 @@ class Collectives:
     def broadcast_list(self, datas: Sequence[np.ndarray], root: int, deadline: float) -> None:
         """Copy ``root``'s ``datas`` into every other rank's ``datas``, in place, as one message.
 
-        The buffers stream through the slots back to back: a slot holds the end of
-        one buffer and the start of the next, so each byte is copied once into the
-        arena and once out on each reader, with one synchronisation per slot
-        whatever the number of buffers.
+        See ``lists.broadcast_list``.
         """
-        total = sum(d.size for d in datas)
-        self.steps.begin("broadcast", "", root=root, nbytes=total)
-        steps, me = self.steps, self.rank
-        readers = [r for r in range(self.size) if r != root]
-        first = steps.step
-        for pieces in _cut(datas, steps.slot_bytes):
-            step = steps.next()
-            if me == root:
-                steps.free(step, deadline)
-                slot = steps.slot(step)
-                for data, start, end, at in pieces:
-                    slot[at : at + end - start] = data[start:end]
-                steps.post(step)
-                if step == first:
-                    steps.confirm(readers, step, deadline)
-            else:
-                if step == first:
-                    steps.arrive(step, deadline)
-                steps.collect(root, step, deadline)
-                slot = steps.peer_slot(root, step)
-                for data, start, end, at in pieces:
-                    data[start:end] = slot[at : at + end - start]
-            steps.done(step)
+        broadcast_list(self.steps, datas, root, deadline)
 
     def _copy(self, data: np.ndarray, source: int, readers: list[int], deadline: float) -> None:
         """Copy ``source``'s ``data`` into the ``data`` of each rank of ``readers``.
