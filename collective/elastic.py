@@ -20,7 +20,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, lifecycle, rendezvous
+from collective import checks, lifecycle, ray_process, rendezvous
 from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup, constructor
 from collective.liveness import current_member
@@ -143,8 +143,8 @@ def shrink_declared_group(
             use ``shrink_group``), or this driver may not change it.
 
     """
-    ids = lifecycle.actor_ids(actors, "actors")
-    drop = lifecycle.actor_ids(exclude or [], "exclude")
+    ids = ray_process.actor_ids(actors, "actors")
+    drop = ray_process.actor_ids(exclude or [], "exclude")
     ranks = _redeclare(group_name, drop, [])
     return [ranks.get(actor) for actor in ids]
 
@@ -169,7 +169,7 @@ def grow_declared_group(actors: list[Any], group_name: str = "default") -> list[
             use ``grow_group``), or this driver may not change it.
 
     """
-    ids = lifecycle.actor_ids(actors, "actors")
+    ids = ray_process.actor_ids(actors, "actors")
     if not ids:
         raise ArgumentValueError("actors must name at least one new member, got []")
     declaration = rendezvous.declaration(checks.check_group_name(group_name))
@@ -261,7 +261,7 @@ def _reshape(
 
 def _redeclare(group_name: str, drop: list[str], add: list[str]) -> dict[str, int]:
     checks.check_group_name(group_name)
-    if lifecycle.in_ray_worker():
+    if ray_process.in_ray_worker():
         raise CollectiveError("declared groups are reshaped from the driver, not inside an actor")
     status, detail = rendezvous.redeclare(group_name, drop, add)
     if status == "ok":

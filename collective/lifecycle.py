@@ -8,13 +8,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, registry, rendezvous
+from collective import checks, ray_process, registry, rendezvous
 from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup, GroupConstructor, constructor
 from collective.manager import GroupManager
 from collective.rendezvous import Declaration, RayRendezvousStore
 from collective.types import (
-    ArgumentTypeError,
     ArgumentValueError,
     Backend,
     CollectiveError,
@@ -26,60 +25,6 @@ from collective.types import (
 
 _manager = GroupManager()
 rendezvous.set_end_handler(_manager.end)
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise CollectiveError("collective groups need Ray: pip install ray") from exc
-    return ray
-
-
-def in_ray_worker() -> bool:
-    """Return whether this process is a Ray worker (an actor or a task), not a driver."""
-    ray = _ray()
-    return ray.is_initialized() and ray._private.worker.global_worker.mode == ray.WORKER_MODE
-
-
-def ray_running() -> bool:
-    """Return whether Ray is initialized in this process (a driver connected, or a worker)."""
-    return bool(_ray().is_initialized())
-
-
-def node_ip() -> str:
-    """Return the address this node's transports bind to: the Ray node IP."""
-    return _ray().util.get_node_ip_address()
-
-
-def actor_ids(actors: Any, name: str) -> list[str]:
-    """Return the ids of the distinct actor handles in the list ``actors`` (argument ``name``).
-
-    Raises:
-        TypeError: ``actors`` is no list or tuple, or holds something else than handles.
-        ValueError: an actor appears twice.
-
-    """
-    ray = _ray()
-    if not isinstance(actors, (list, tuple)):
-        raise ArgumentTypeError(
-            f"{name} must be a list of actor handles, got {type(actors).__name__}"
-        )
-    ids = []
-    for i, actor in enumerate(actors):
-        if not isinstance(actor, ray.actor.ActorHandle):
-            raise ArgumentTypeError(
-                f"{name}[{i}] must be a Ray actor handle, got {type(actor).__name__}"
-            )
-        ids.append(actor._ray_actor_id.hex())
-    if len(set(ids)) != len(ids):
-        raise ArgumentValueError(f"{name} must be distinct; the same actor appears twice")
-    return ids
-
-
-def _require_ray_worker(function: str) -> None:
-    if not in_ray_worker():
-        raise CollectiveError(f"{function} must be called inside a Ray actor or task")
 
 
 def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
@@ -170,7 +115,9 @@ def build_incarnation(
     try:
         if check_args is not None:
             rendezvous.agree(store, "check_args", rank, check_args, timeout)
-        group = build(world_size, rank, name, store, timeout, node_ip(), options=options)
+        group = build(
+            world_size, rank, name, store, timeout, ray_process.node_ip(), options=options
+        )
     except BaseException as exc:
         if commit_s is not None:
             with contextlib.suppress(CollectiveError):
@@ -226,10 +173,10 @@ def close_ended(group_name: str) -> str | None:
 
 def declared_rank(group_name: str) -> tuple[Declaration, int] | None:
     """Return the declaration of ``group_name`` and this actor's rank in it, or None."""
-    if not in_ray_worker():
+    if not ray_process.in_ray_worker():
         return None
     declaration = rendezvous.declaration(group_name)
-    actor_id = _ray().get_runtime_context().get_actor_id()
+    actor_id = ray_process.ray_module().get_runtime_context().get_actor_id()
     if declaration is None or actor_id not in declaration.ranks:
         return None
     return declaration, declaration.ranks[actor_id]
@@ -346,7 +293,7 @@ def init_collective_group(
     check_args = checks.check_bool(check_args, "check_args")
     options = checks.check_group_options(strict_buffers, cpu_transport)
     registry.group_class(backend)
-    _require_ray_worker("init_collective_group")
+    ray_process.require_ray_worker("init_collective_group")
     create_group(
         group_name,
         lambda: _join_and_build(
@@ -394,12 +341,12 @@ def declare_collective_group(
     """
     checks.check_group_name(group_name)
     world_size = checks.check_world_size(world_size)
-    ids = actor_ids(actors, "actors")
+    ids = ray_process.actor_ids(actors, "actors")
     if not isinstance(ranks, (list, tuple)) or len(actors) != len(ranks):
         got = len(ranks) if isinstance(ranks, (list, tuple)) else type(ranks).__name__
         raise ArgumentValueError(f"ranks must hold one rank per actor ({len(actors)}), got {got}")
     ranks = checks.check_permutation(ranks, world_size)
-    ray = _ray()
+    ray = ray_process.ray_module()
     check_args = checks.check_bool(check_args, "check_args")
     options = checks.check_group_options(strict_buffers, cpu_transport)
     if not ray.is_initialized():
@@ -437,8 +384,8 @@ def destroy_collective_group(group_name: str = "default") -> None:
         if isinstance(store, RayRendezvousStore):
             rendezvous.leave_store(store, group.rank)
         return
-    ray = _ray()
-    if ray.is_initialized() and not in_ray_worker():
+    ray = ray_process.ray_module()
+    if ray.is_initialized() and not ray_process.in_ray_worker():
         rendezvous.end_group(group_name)
 
 
@@ -451,7 +398,7 @@ def destroy_all_collective_groups() -> None:
     """
     for name in _manager.names():
         destroy_collective_group(name)
-    ray = _ray()
-    if ray.is_initialized() and not in_ray_worker():
+    ray = ray_process.ray_module()
+    if ray.is_initialized() and not ray_process.in_ray_worker():
         for name in rendezvous.list_groups():
             destroy_collective_group(name)

@@ -24,7 +24,7 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, lifecycle
+from collective import checks, lifecycle, ray_process
 from collective.groups.base import BaseGroup, constructor
 from collective.store import PrefixedRendezvousStore, RendezvousStore
 from collective.types import (
@@ -127,7 +127,7 @@ def new_group(
                 name,
                 store,
                 group_timeout,
-                lifecycle.node_ip(),
+                ray_process.node_ip(),
                 options=parent_group.options,
             ),
             store,

@@ -49,6 +49,7 @@ def test_public_names_are_all_exported() -> None:
             "objectstore",
             "outputs",
             "queries",
+            "ray_process",
             "rendezvous",
             "signature",
             "store",
