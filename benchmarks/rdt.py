@@ -1,4 +1,4 @@
-"""Benchmark Ray Direct Transport: this library's transport against Ray's Gloo transport and the object store.
+"""Benchmark Ray Direct Transport: ours against Ray's Gloo transport and the object store.
 
 Usage: python -m benchmarks.rdt [--quick] [--rounds N] [--impls collective,gloo,object_store]
        [--gloo-timeout SECONDS] [--json PATH]
@@ -82,49 +82,58 @@ class Rollout:
         return wrong
 
 
-def run_row(impl: str, count: int, each: int, rounds: int, gloo_timeout: float) -> dict[str, Any]:
-    """Time ``rounds`` transfers of one workload through ``impl``; return the row."""
+def run_impl(
+    impl: str, workloads: dict[str, tuple[int, int]], rounds: int, gloo_timeout: float
+) -> list[dict[str, Any]]:
+    """Time ``rounds`` transfers of each workload through ``impl``; return a row per workload."""
     from ray.experimental.collective import create_collective_group, destroy_collective_group
 
     trainer, rollouts = Trainer.remote(), [Rollout.remote() for _ in range(ROLLOUTS)]
     actors = [trainer, *rollouts]
-    ray.get(trainer.keep.remote(count, each))
     handle = None
     if impl != "object_store":
         backend = "collective" if impl == "collective" else "torch_gloo"
         handle = create_collective_group(actors, backend=backend)
     method = getattr(trainer, impl)
-    times, wrong, status = [], 0, "ok"
     limit = gloo_timeout if impl == "gloo" else 300.0
+    rows, status = [], "ok"
     try:
-        for r in range(rounds + 1):  # round 0 warms up and checks every element
-            start = time.perf_counter()
-            ref = method.remote()
-            done = ray.get([x.take.remote(ref, r == 0) for x in rollouts], timeout=limit)
-            elapsed = time.perf_counter() - start
-            wrong += sum(done)
-            if r:
-                times.append(elapsed)
-            del ref
-    except ray.exceptions.GetTimeoutError:
-        status = f"timed out after {limit:g} s"
+        for name, (count, each) in workloads.items():
+            ray.get(trainer.keep.remote(count, each), timeout=300)
+            times, wrong = [], 0
+            for r in range(rounds + 1):  # round 0 warms up and checks every element
+                if status != "ok":
+                    break
+                start = time.perf_counter()
+                ref = method.remote()
+                try:
+                    done = ray.get([x.take.remote(ref, r == 0) for x in rollouts], timeout=limit)
+                except ray.exceptions.GetTimeoutError:
+                    status = f"timed out after {limit:g} s"
+                    break
+                elapsed = time.perf_counter() - start
+                wrong += sum(done)
+                if r:
+                    times.append(elapsed)
+                del ref
+            row: dict[str, Any] = {"workload": name, "impl": impl, "count": count, "each": each}
+            row.update(status=status, wrong=wrong)
+            if times:
+                ms = sorted(t * 1e3 for t in times)
+                row["time_ms"] = {"min": ms[0], "median": statistics.median(ms), "max": ms[-1]}
+            rows.append(row)
     finally:
         if handle is not None and status == "ok":
             destroy_collective_group(handle)
         for actor in actors:
             ray.kill(actor)
-    row: dict[str, Any] = {"impl": impl, "count": count, "each": each, "status": status}
-    row["wrong"] = wrong
-    if times:
-        ms = sorted(t * 1e3 for t in times)
-        row["time_ms"] = {"min": ms[0], "median": statistics.median(ms), "max": ms[-1]}
-    return row
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print its table and goals, and return the results."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rdt", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="tiny workloads, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="tiny workloads, 1 round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--gloo-timeout", type=float, default=60.0)
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown impls: {sorted(unknown)}")
     if args.rounds < 1:
         parser.error(f"rounds must be at least 1, got {args.rounds}")
-    workloads, rounds = (QUICK, 2) if args.quick else (WORKLOADS, args.rounds)
+    workloads, rounds = (QUICK, 1) if args.quick else (WORKLOADS, args.rounds)
     ray.init(
         address="local",
         num_cpus=2,
@@ -146,21 +155,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     results = []
     try:
-        for name, (count, each) in workloads.items():
-            print(f"# {name}: 1 trainer -> {ROLLOUTS} rollouts, one node, {rounds} rounds")
-            print(f"{'impl':<14}{'min ms':>10}{'median ms':>11}{'max ms':>10}  wrong  status")
-            for impl in impls:
-                row = run_row(impl, count, each, rounds, args.gloo_timeout)
-                row["workload"] = name
-                results.append(row)
-                t = row.get("time_ms", {})
-                cells = "".join(
-                    f"{t[k]:>{w}.1f}" if t else f"{'-':>{w}}"
-                    for k, w in (("min", 10), ("median", 11), ("max", 10))
-                )
-                print(f"{impl:<14}{cells}  {row['wrong']:>5}  {row['status']}", flush=True)
+        for impl in impls:
+            results += run_impl(impl, workloads, rounds, args.gloo_timeout)
     finally:
         ray.shutdown()
+    for name in workloads:
+        print(f"# {name}: 1 trainer -> {ROLLOUTS} rollouts, one node, {rounds} rounds")
+        print(f"{'impl':<14}{'min ms':>10}{'median ms':>11}{'max ms':>10}  wrong  status")
+        for row in (r for r in results if r["workload"] == name):
+            t = row.get("time_ms", {})
+            cells = "".join(
+                f"{t[k]:>{w}.1f}" if t else f"{'-':>{w}}"
+                for k, w in (("min", 10), ("median", 11), ("max", 10))
+            )
+            print(f"{row['impl']:<14}{cells}  {row['wrong']:>5}  {row['status']}")
     goals = verdicts(results)
     print("# goals (median of ours against the baseline's median)")
     for g in goals:

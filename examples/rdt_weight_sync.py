@@ -68,6 +68,7 @@ class Rollout:
 
 
 def main() -> None:
+    """Train for a few steps; after each, every rollout loads the published weights."""
     ray.init(namespace="rdt-weight-sync", num_cpus=2, runtime_env=runtime_env())
     trainer = Trainer.remote()
     rollouts = [Rollout.remote() for _ in range(ROLLOUTS)]

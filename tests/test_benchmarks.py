@@ -274,3 +274,21 @@ def test_elastic_benchmark_rejects_bad_arguments(flags: list[str], message: str)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_rdt_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
+    out_json = tmp_path / "rdt.json"
+    command = [sys.executable, "-m", "benchmarks.rdt", "--quick", "--json", str(out_json)]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads(out_json.read_text())
+    rows = {(r["workload"], r["impl"]): r for r in data["results"]}
+    assert set(rows) == {
+        (w, i) for w in ("1 MiB x 1", "4 KiB x 50") for i in ("collective", "gloo", "object_store")
+    }
+    for row in rows.values():
+        assert row["wrong"] == 0, row
+        assert row["status"] == "ok" or row["impl"] == "gloo", row
+    assert {g["verdict"] for g in data["goals"]} == {"not measured"}, "no goal point is tiny"
