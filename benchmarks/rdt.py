@@ -42,14 +42,16 @@ ROLLOUTS = 3
 
 col.register_tensor_transport()
 
+actor_class: Any = ray.remote
+"""Ray's decorator; its stubs know neither ``enable_tensor_transport`` nor actor methods."""
+
 
 def tensors(count: int, each: int) -> dict[str, torch.Tensor]:
     """Return the workload: ``count`` float32 tensors of ``each`` bytes; tensor i holds i % 251."""
     return {f"t{i}": torch.full((each // 4,), float(i % 251)) for i in range(count)}
 
 
-@ray.remote(num_cpus=0, enable_tensor_transport=True)
-class Trainer:
+class _Trainer:
     """Keeps one workload and returns it through each kind of transfer."""
 
     def keep(self, count: int, each: int) -> None:
@@ -67,8 +69,10 @@ class Trainer:
         return self.tensors
 
 
-@ray.remote(num_cpus=0, enable_tensor_transport=True)
-class Rollout:
+Trainer: Any = actor_class(num_cpus=0, enable_tensor_transport=True)(_Trainer)
+
+
+class _Rollout:
     """Takes a workload and checks it: each tensor's ends each round, every element once."""
 
     def take(self, got: dict[str, torch.Tensor], full: bool) -> int:
@@ -80,6 +84,9 @@ class Rollout:
             else:
                 wrong += int(t[0] != want) + int(t[-1] != want)
         return wrong
+
+
+Rollout: Any = actor_class(num_cpus=0, enable_tensor_transport=True)(_Rollout)
 
 
 def run_impl(

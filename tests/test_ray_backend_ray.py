@@ -20,6 +20,9 @@ import collective as col
 from tests.conftest import RAY_TIMEOUT_S, Member, live_groups, run_all, unique_name
 from tests.ray_api_ops import WORLD, check_every_op, every_op
 
+BACKEND: Any = "collective"
+"""Ray's hints say ``types.Backend``; its calls take the name."""
+
 
 @pytest.fixture(scope="module")
 def actors() -> Iterator[list[Any]]:
@@ -33,7 +36,7 @@ def actors() -> Iterator[list[Any]]:
 
 
 def _init_and_run(rank: int, name: str) -> dict[str, Any]:
-    rc.init_collective_group(WORLD, rank, backend="collective", group_name=name)
+    rc.init_collective_group(WORLD, rank, backend=BACKEND, group_name=name)
     return every_op(rank, name)
 
 
@@ -60,7 +63,7 @@ def test_every_op_on_a_group_made_in_the_actors(actors: list[Any]) -> None:
 def test_every_op_on_a_group_declared_by_the_driver(actors: list[Any]) -> None:
     name = unique_name()
     ranks = [2, 0, 3, 1]
-    rc.create_collective_group(actors, WORLD, ranks, backend="collective", group_name=name)
+    rc.create_collective_group(actors, WORLD, ranks, backend=BACKEND, group_name=name)
     results = run_all(actors, every_op, ranks, [name] * WORLD)
     check_every_op([results[ranks.index(rank)] for rank in range(WORLD)])
     assert run_all(actors, _destroy, [name] * WORLD) == [(False, False)] * WORLD
@@ -70,7 +73,7 @@ def test_every_op_on_a_group_declared_by_the_driver(actors: list[Any]) -> None:
 def test_experimental_create_and_destroy_from_the_driver(actors: list[Any]) -> None:
     from ray.experimental.collective import create_collective_group, destroy_collective_group
 
-    handle = create_collective_group(actors, backend="collective", name=unique_name())
+    handle = create_collective_group(actors, backend=BACKEND, name=unique_name())
     check_every_op(run_all(actors, every_op, range(WORLD), [handle.name] * WORLD))
     destroy_collective_group(handle)
     assert run_all(actors, rc.is_group_initialized, [handle.name] * WORLD) == [False] * WORLD

@@ -10,6 +10,7 @@ Ray Direct Transport from a node to the other.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import ray
@@ -23,11 +24,15 @@ from collective.ray_plugins import runtime_env
 from tests.conftest import RAY_TIMEOUT_S, Member, live_groups, run_all, unique_name
 from tests.ray_api_ops import WORLD, check_every_op, every_op
 
+BACKEND: Any = "collective"
+"""Ray's hints say ``types.Backend``; its calls take the name."""
 col.register_tensor_transport()  # before the classes that name it, as Ray asks
 
+actor_class: Any = ray.remote
+"""Ray's decorator; its stubs know neither ``enable_tensor_transport`` nor actor methods."""
 
-@ray.remote(num_cpus=0)
-class Producer:
+
+class _Producer:
     @ray.method(tensor_transport="COLLECTIVE")
     def weights(self) -> dict[str, torch.Tensor]:
         return {f"w{i}": torch.full((100 + i,), float(i)) for i in range(50)} | {
@@ -35,8 +40,10 @@ class Producer:
         }
 
 
-@ray.remote(num_cpus=0, enable_tensor_transport=True)
-class Consumer:
+Producer: Any = actor_class(num_cpus=0)(_Producer)
+
+
+class _Consumer:
     def check(self, weights: dict[str, torch.Tensor]) -> list[str]:
         wrong = [
             k
@@ -46,6 +53,9 @@ class Consumer:
         if not torch.equal(weights["big"], torch.arange(1 << 19, dtype=torch.float32)):
             wrong.append("big")
         return wrong
+
+
+Consumer: Any = actor_class(num_cpus=0, enable_tensor_transport=True)(_Consumer)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +85,7 @@ def _transport(name: str) -> str:
 def test_every_op_of_rays_api_across_two_nodes(two_nodes: None) -> None:
     actors = [Member.options(resources={_node(r): 1}).remote() for r in range(WORLD)]
     name = unique_name()
-    rc.create_collective_group(actors, WORLD, list(range(WORLD)), "collective", name)
+    rc.create_collective_group(actors, WORLD, list(range(WORLD)), BACKEND, name)
     check_every_op(run_all(actors, every_op, range(WORLD), [name] * WORLD))
     assert run_all(actors, _transport, [name] * WORLD) == ["hierarchical"] * WORLD
     run_all(actors, rc.destroy_collective_group, [name] * WORLD)

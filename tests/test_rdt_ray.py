@@ -31,6 +31,9 @@ col.register_tensor_transport(TRANSPORT)  # before the classes that name it, as 
 SMALL = 300
 """Small tensors per state dict: they move packed, in one message."""
 
+actor_class: Any = ray.remote
+"""Ray's decorator; its stubs know neither ``enable_tensor_transport`` nor actor methods."""
+
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:
     """Return a state dict of many small tensors of every kind, and big ones, from ``seed``."""
@@ -46,8 +49,7 @@ def state_dict(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-@ray.remote(num_cpus=0)
-class Trainer:
+class _Trainer:
     """Makes state dicts that stay in the actor until another actor's task takes them."""
 
     @ray.method(tensor_transport=TRANSPORT)
@@ -58,8 +60,10 @@ class Trainer:
         return True
 
 
-@ray.remote(num_cpus=0, enable_tensor_transport=True)
-class Rollout:
+Trainer: Any = actor_class(num_cpus=0)(_Trainer)
+
+
+class _Rollout:
     """Receives state dicts and checks them against the ones it makes itself."""
 
     def check(self, weights: dict[str, torch.Tensor], seed: int) -> dict[str, Any]:
@@ -74,6 +78,9 @@ class Rollout:
 
     def run(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
+
+
+Rollout: Any = actor_class(num_cpus=0, enable_tensor_transport=True)(_Rollout)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +120,9 @@ def test_a_state_dict_reaches_three_actors_without_the_object_store(
         checks = ray.get([r.check.remote(ref, seed) for r in rollouts], timeout=RAY_TIMEOUT_S)
         for rank, got in enumerate(checks, start=1):
             assert got == {"wrong": [], "keys": True, "storages": 1}, (rank, got)
-    stored = ray.get(trainer.weights.remote(3), _use_object_store=True, timeout=RAY_TIMEOUT_S)
+    stored = ray.get(  # type: ignore[call-overload]
+        trainer.weights.remote(3), _use_object_store=True, timeout=RAY_TIMEOUT_S
+    )
     assert all(torch.equal(stored[k], v) for k, v in state_dict(3).items())
     destroy_collective_group(handle)
     assert live_groups() == []
