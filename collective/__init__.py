@@ -48,6 +48,7 @@ from collective.queries import (
     list_collective_groups,
     nccl_available,
 )
+from collective.ray_plugins import register_ray_backend, register_tensor_transport
 from collective.registry import register_collective_backend
 from collective.subgroups import new_group
 from collective.types import (
@@ -110,6 +111,8 @@ __all__ = [
     "reducescatter",
     "reducescatter_multigpu",
     "register_collective_backend",
+    "register_ray_backend",
+    "register_tensor_transport",
     "scatter",
     "send",
     "send_multigpu",

@@ -82,7 +82,7 @@ html_context = {"default_mode": "light"}
 
 SECTIONS = {
     "get-started": ["install", "quickstart", "examples"],
-    "how-to": ["weight-sync", "elastic", "nccl", "migration"],
+    "how-to": ["weight-sync", "elastic", "nccl", "inside-ray", "migration"],
     "reference": ["api", "backends", "support-matrix", "troubleshooting"],
     "explanation": [
         "concepts",
@@ -157,6 +157,11 @@ API_TOPICS: list[tuple[str, str, list[str]]] = [
             "recv_multigpu",
             "synchronize",
         ],
+    ),
+    (
+        "Inside Ray",
+        "Run Ray's own ``ray.util.collective`` and Ray Direct Transport on this library.",
+        ["register_ray_backend", "register_tensor_transport"],
     ),
     (
         "Queries",

@@ -314,3 +314,21 @@ def test_figures_hold_at_most_four_panels(world_sizes: list[int], per_figure: in
     assert all(len(group) * len(world_sizes) <= plots.MAX_PANELS for group in groups)
     with pytest.raises(ValueError, match="1 to 4 panels, got 5"):
         plots.panels_figure(Path("unused.png"), [("x", [])] * 5, lambda r: 0.0, "y")
+
+
+def test_rdt_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
+    out_json = tmp_path / "rdt.json"
+    command = [sys.executable, "-m", "benchmarks.rdt", "--quick", "--json", str(out_json)]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads(out_json.read_text())
+    rows = {(r["workload"], r["impl"]): r for r in data["results"]}
+    assert set(rows) == {
+        (w, i) for w in ("1 MiB x 1", "4 KiB x 50") for i in ("collective", "gloo", "object_store")
+    }
+    for row in rows.values():
+        assert row["wrong"] == 0, row
+        assert row["status"] == "ok" or row["impl"] == "gloo", row
+    assert {g["verdict"] for g in data["goals"]} == {"not measured"}, "no goal point is tiny"

@@ -37,6 +37,7 @@ PAGES = [
     "weight-sync",
     "elastic",
     "nccl",
+    "inside-ray",
     "migration",
     "reference",
     "api",
@@ -56,6 +57,7 @@ TOPICS = [
     "Many tensors",
     "Elastic groups",
     "Several GPUs per actor",
+    "Inside Ray",
     "Queries",
     "Errors",
 ]
@@ -118,7 +120,7 @@ def test_sections_list_their_pages(site: Path) -> None:
     index = page(site, "index")
     for section, pages in {
         "get-started": ["install", "quickstart", "examples"],
-        "how-to": ["weight-sync", "nccl", "migration"],
+        "how-to": ["weight-sync", "nccl", "inside-ray", "migration"],
         "reference": ["api", "backends", "support-matrix", "troubleshooting"],
         "explanation": [
             "concepts",

@@ -33,6 +33,7 @@ MUST_PRINT = {
         "weights within 0.05 of the truth: True",
     ],
     "multigpu.py": ["every GPU holds what it should: True"],
+    "rdt_weight_sync.py": ["every rollout holds the trainer's weights after each step: True"],
 }
 """Lines each example prints when its checks pass, beyond its exit status."""
 

@@ -48,6 +48,7 @@ def test_public_names_are_all_exported() -> None:
             "multigpu",
             "objectstore",
             "outputs",
+            "ray_plugins",
             "queries",
             "ray_process",
             "rendezvous",
