@@ -45,8 +45,16 @@ UNHANDLED_CUDA_ERROR = 1
 NOT_READY = 600
 """``cudaErrorNotReady``."""
 
-BFLOAT16 = SimpleNamespace(name="bfloat16", itemsize=2, str="<V2")
-"""bfloat16 as a dtype: cupy has none, and torch's CUDA tensors cannot be made here."""
+@dataclass(frozen=True)
+class _Bfloat16:
+    name: str = "bfloat16"
+    itemsize: int = 2
+    str: str = "<V2"
+
+
+BFLOAT16 = _Bfloat16()
+"""bfloat16 as a dtype (hashable, as every dtype is): cupy has none, and torch's CUDA
+tensors cannot be made here."""
 
 _handles = itertools.count(0x5E00, 0x10)
 _addresses = itertools.count(0x7F00_0000_0000, 1 << 20)
@@ -83,6 +91,8 @@ class Trace:
     """Returns whether the real NCCL error of this call is raised rather than swallowed."""
     pause_s: float = 0.0
     """How long each communicator call sleeps, letting other threads run in between."""
+    capturing: set[int] = field(default_factory=set)
+    """The stream handles that ``streamIsCapturing`` reports as capturing a CUDA graph."""
 
     def add(self, entry: Entry) -> Entry:
         with self.lock:
@@ -175,6 +185,10 @@ class CheckedRuntime:
 
     def memcpyAsync(self, *args: Any) -> None:  # noqa: N802
         self._call("memcpyAsync", args)
+
+    def streamIsCapturing(self, *args: Any) -> int:  # noqa: N802
+        self._call("streamIsCapturing", args)
+        return 1 if args[0] in self._trace.capturing else 0
 
     def eventQuery(self, *args: Any) -> int:  # noqa: N802
         real_status = int(real_runtime.eventQuery(*args))
@@ -309,6 +323,12 @@ class DeviceArray:
         self.device = SimpleNamespace(id=device)
         self.flags = SimpleNamespace(c_contiguous=True)
         self.ptr = next(_addresses)
+        self.data = SimpleNamespace(ptr=self.ptr, device_id=device)
+        """cupy's ``MemoryPointer`` of the array: its address and device."""
+        self.strides = tuple(
+            int(np.prod(self.shape[i + 1 :], dtype=np.int64)) * self.dtype.itemsize
+            for i in range(len(self.shape))
+        )
 
     @property
     def size(self) -> int:

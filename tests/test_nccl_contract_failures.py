@@ -228,13 +228,13 @@ def test_destroy_destroys_each_communicator_and_a_later_group_reuses_its_streams
     ranks: Callable[..., Ranks],
 ) -> None:
     r = ranks(1)
-    r.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions())
+    r.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions(async_op=True)).wait()
     streams = r.cupys[0].streams()
     r.groups[0].destroy_group()
     assert _aborted_comms(r) == [("destroy", 0), ("destroy", 1)]
     again = ranks(1, cupys=r.cupys)
     again.clear()
-    again.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions())
+    again.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions(async_op=True)).wait()
     assert not again.cupys[0].trace.named("streamCreateWithFlags")
     assert {e.args[-1] for e in again.cupys[0].trace.named("allReduce")} == set(streams.values())
 
@@ -252,7 +252,7 @@ def test_destroy_after_a_failure_aborts_and_never_hands_the_streams_on(
     r.cupys[0].trace.event_status = lambda handle, real_status: 0
     again = ranks(1, cupys=r.cupys)
     again.clear()
-    again.groups[0].allreduce([_x()], AllReduceOptions())
+    again.groups[0].allreduce([_x()], AllReduceOptions(async_op=True)).wait()
     assert again.cupys[0].trace.named("streamCreateWithFlags")
 
 

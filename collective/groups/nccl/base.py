@@ -13,25 +13,30 @@ Communicators are made on first use and cached:
   ranks that take no part in it. The lower endpoint is NCCL rank 0 and publishes
   the ID. A gpu index is the CUDA device ordinal the owning process sees.
 
-Streams: every op runs on a per-device comm stream, taken from the process's
-``cuda.STREAMS`` and never destroyed (see ``StreamPool`` for why), that first
-waits on an event recorded on the caller's current stream (torch's for torch
-tensors, cupy's for cupy arrays). After the op an event is recorded on the comm
-stream. A blocking op (``async_op`` False) makes the caller's current stream wait on
-that event before it returns, without blocking the host, so any later work on that
-stream sees the result. An async op returns at once; its ``Work.wait`` polls the
-event up to the timeout, then orders the caller's current stream after it. The
-group holds every buffer until its op's event has completed and records the comm
-stream's use of torch tensors with torch's caching allocator, so freeing an input
-early is safe.
+Launches: an op's first call with a given signature (see ``launch``) checks and
+describes its buffers, makes its communicators if new, and builds its launch, which
+the group keeps; a repeated call looks it up and issues it. A group runs one op at a
+time, under its op lock, so that ops issued from several threads never interleave
+their NCCL calls. A launch of several calls issues them between one ``groupStart``
+and ``groupEnd``, so no code of ours that could raise runs inside the NCCL group;
+should a call fail there all the same, the NCCL group is discarded
+(``nccl_comm.discard_group``), so no peer is left waiting for half an op, and the
+group fails: its communicators are aborted. A failure, an abort or a destroy drops
+the launches.
 
-Launches: a group runs one op at a time, under its op lock, so that ops issued from
-several threads never interleave their NCCL calls. An op first builds its plan: every
-NCCL call it makes, as a bound method and integer arguments. The launch then issues
-them between one ``groupStart`` and ``groupEnd``, so no code of ours that could raise
-runs inside the NCCL group. Should a call fail there all the same, the NCCL group is
-discarded (``nccl_comm.discard_group``), so no peer is left waiting for half an op,
-and the group fails: its communicators are aborted.
+Streams: a blocking op (``async_op`` False) runs on the caller's current stream
+(torch's for torch tensors, cupy's for cupy arrays), as NCCL's own API does: no
+stream, event or device switch of ours, so the caller's later work on that stream
+sees the result, and the op can be captured in a CUDA graph. The watchdog (see
+``watchdog``) watches it against its timeout through one reusable event per stream.
+An async op runs on a per-device comm stream, taken from the process's
+``cuda.STREAMS`` and never destroyed (see ``StreamPool`` for why), that first waits
+on an event recorded on the caller's current stream; after the op an event is
+recorded on the comm stream, both from the group's pool. ``Work.wait`` polls that
+event up to the timeout, then orders the caller's current stream after it. The
+group holds an async op's buffers until its event has completed and records the
+comm stream's use of torch tensors with torch's caching allocator, so freeing an
+input early is safe.
 
 Locks: the op lock is held for a whole op, including the making of a communicator,
 which waits up to the timeout for the peers; the state lock is held for moments
@@ -54,22 +59,16 @@ from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     create_communicators,
     cupy_module,
-    discard_group,
     encode_unique_id,
     exchange_unique_id,
     release_communicators,
     unavailable_reason,
 )
-from collective.groups.nccl.cuda import (
-    STREAMS,
-    NcclWork,
-    follow,
-    record,
-    settled,
-    wait_events,
-)
+from collective.groups.nccl.cuda import STREAMS, NcclWork, follow, record, settled, wait_events
+from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, Plan, build
+from collective.groups.nccl.watchdog import Watch
 from collective.store import RendezvousStore, meet
-from collective.tensor import NCCL_DTYPES
+from collective.tensor import NCCL_DTYPES, CudaBuffer
 from collective.types import (
     DEFAULT_TIMEOUT,
     Backend,
@@ -79,14 +78,11 @@ from collective.types import (
 )
 from collective.work import Work
 
-Step = tuple[Callable[..., Any], tuple[Any, ...]]
-"""One call of an op's plan: a bound method of a communicator (or cupy's runtime), its arguments."""
-
-Plan = Callable[[int, Any, int], list[Step]]
-"""Returns device i's calls: ``plan(i, communicator, comm_stream_handle)``."""
-
 Communicators = Callable[[timedelta], list[Any]]
 """Returns an op's communicators, one per device, making them within the timeout if new."""
+
+Builder = Callable[[], tuple[Sequence[Any], Communicators, Plan]]
+"""Checks an op's buffers once; returns its anchors, communicators and plan."""
 
 _ABORT_GRACE = timedelta(seconds=0.5)
 """How long ``abort`` lets kernels already launched finish before it aborts the communicators."""
@@ -121,6 +117,7 @@ class NCCLGroupBase(BaseGroup):
         super().__init__(world_size, rank, group_name, timeout, options)
         self._cupy = cupy_module()
         self._cuda = self._cupy.cuda
+        self._nccl = self._cuda.nccl
         try:
             meet(store, f"nccl/{group_name}/init", rank, world_size, timeout)
         except TimeoutError as exc:
@@ -130,11 +127,15 @@ class NCCLGroupBase(BaseGroup):
         self._op_lock = threading.Lock()
         self._comms: dict[tuple[Any, ...], list[Any]] = {}
         self._streams: dict[int, int] = {}
-        self._ready: dict[int, Any] = {}
+        self._events: dict[int, list[Any]] = {}
         self._inflight: list[tuple[list[Any], list[Any]]] = []
+        self._launches: dict[tuple[Any, ...], Launch] = {}
         self._collective_count = 0
         self._default_devices: tuple[int, ...] | None = None
         self._destroyed = False
+        self._open = True
+        """False once the group failed, was aborted or destroyed: ``_check_usable`` says why."""
+        self._watch = Watch(self._cuda, self._op_lock, self._all_comms, self._fail)
 
     @classmethod
     def backend(cls) -> Backend | str:
@@ -151,6 +152,29 @@ class NCCLGroupBase(BaseGroup):
         """Return what is missing for the nccl backend, or "" if nothing is."""
         return unavailable_reason()
 
+    def _check_usable(self, destroyed: bool) -> None:
+        """Raise at once if the group is broken; a timeout the watchdog found raises as one."""
+        error = self._error
+        if isinstance(error, CollectiveTimeoutError):
+            raise CollectiveTimeoutError(
+                error.op,
+                error.group_name,
+                error.rank,
+                error.timeout,
+                f"{error.detail}; group {self.group_name!r} is unusable: destroy it and create "
+                "it again",
+            )
+        super()._check_usable(destroyed)
+
+    def _all_comms(self) -> list[Any]:
+        with self._lock:
+            return [c for entry in self._comms.values() for c in entry]
+
+    def _close(self) -> None:
+        """Refuse later ops and forget every launch (they hold the communicators)."""
+        self._open = False
+        self._launches = {}
+
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         """Mark the group unusable after ``exc``, abort its communicators, return the error."""
         if self._aborted is not None:
@@ -165,8 +189,14 @@ class NCCLGroupBase(BaseGroup):
                 f"{type(exc).__name__}: {exc}"
             )
         with self._lock:
-            self._error = self._error or error
+            first = self._error
+            if first is None:
+                self._error = error
+                self._close()
             comms = [c for entry in self._comms.values() for c in entry]
+        if first is not None:  # the first failure aborted the communicators
+            return first
+        self._watch.stopped = True
         release_communicators(self._cuda, comms, [], False, self.timeout)
         return error
 
@@ -188,7 +218,7 @@ class NCCLGroupBase(BaseGroup):
         found = self._comms.get(key)
         if found is not None:
             return found
-        nccl = self._cuda.nccl
+        nccl = self._nccl
         uid = exchange_unique_id(
             self._store,
             f"nccl/{self.group_name}/{store_key}",
@@ -222,6 +252,11 @@ class NCCLGroupBase(BaseGroup):
         ranks = [self.rank * n + i for i in range(n)]
         return self._communicators(key, store_key, devices, self.world_size * n, ranks, timeout)
 
+    def _comms_of(self, bufs: Sequence[CudaBuffer]) -> Communicators:
+        """Return the getter of the collective communicators of ``bufs``' devices."""
+        devices = [b.device for b in bufs]
+        return lambda timeout: self._collective_comms(devices, timeout)
+
     def _stream(self, device: int) -> int:
         stream = self._streams.get(device)
         if stream is None:
@@ -230,124 +265,151 @@ class NCCLGroupBase(BaseGroup):
                 self._streams[device] = stream
         return stream
 
-    def _ready_event(self, device: int) -> Any:
-        """Return the event that marks, on GPU ``device``, where the caller's stream stands.
+    def _event(self, device: int) -> Any:
+        """Return a free event of GPU ``device`` from the group's pool, made if none is free."""
+        free = self._events.get(device)
+        if free:
+            return free.pop()
+        with self._cuda.Device(device):
+            return self._cuda.Event(disable_timing=True)
 
-        One per device serves every op: a stream waits for an event as it was recorded
-        when the wait was queued, so recording it again for the next op is safe.
-        """
-        event = self._ready.get(device)
-        if event is None:
-            with self._cuda.Device(device):
-                event = self._ready[device] = self._cuda.Event(disable_timing=True)
-        return event
+    def _give_back(self, device: int, events: Sequence[Any]) -> None:
+        """Return ``events`` of GPU ``device`` to the pool: every wait on them is queued."""
+        self._events.setdefault(device, []).extend(events)
 
     # --- launching ----------------------------------------------------------------------
 
-    def _run(
+    def _op(
         self,
         op: str,
         options: Any,
-        anchors: Sequence[Any],
-        communicators: Communicators,
-        plan: Plan,
         buffers: Sequence[Any],
+        anchors: Sequence[Any],
+        extra: tuple[Any, ...],
+        builder: Builder,
     ) -> Work:
-        """Run one op under the op lock: get its communicators, then launch ``plan``.
+        """Run ``op`` through its cached launch, building it on the first call of its signature.
 
-        ``anchors`` holds one caller buffer per device, whose current stream the op
-        follows; ``buffers`` holds every caller buffer the op reads or writes.
+        ``buffers`` holds every caller buffer the op reads or writes, ``anchors`` one
+        per device, whose current streams the op runs on (or follows); ``extra`` the
+        arguments besides the buffers that change the calls (root, reduction).
         """
+        key = (
+            op,
+            options.async_op,
+            extra,
+            tuple(map(tensor.buffer_key, buffers)),
+            tuple(map(tensor.current_stream, anchors)),
+        )
         timeout = options.timeout or self.timeout
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._build(key, op, options.async_op, timeout, builder)
+        if options.async_op:
+            return self._run_async(launch, timeout, anchors, buffers)
+        self._run(launch, timeout)
+        return DONE
+
+    def _build(
+        self, key: tuple[Any, ...], op: str, async_op: bool, timeout: timedelta, builder: Builder
+    ) -> Launch:
+        """Check the buffers, make the communicators if new, and build (and keep) the launch."""
+        anchors, communicators, plan = builder()
+        devices = tuple(tensor.cuda_buffer(a, "tensor").device for a in anchors)
         with self._op_lock:
             self._check_usable(self._destroyed)
             try:
                 comms = communicators(timeout)
+                if async_op:
+                    streams = tuple(self._stream(d) for d in devices)
+                else:
+                    streams = tuple(key[4])
+                markers = tuple(
+                    self._watch.marker(s, d) for s, d in zip(streams, devices, strict=True)
+                )
+                launch = build(op, devices, comms, streams, plan, markers)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
-            return self._launch(op, options, timeout, anchors, comms, plan, buffers)
+            if None not in key[3]:
+                with self._lock:
+                    if self._open:
+                        if len(self._launches) >= LAUNCHES_KEPT:
+                            self._launches.pop(next(iter(self._launches)))
+                        self._launches[key] = launch
+        return launch
 
-    def _launch(
-        self,
-        op: str,
-        options: Any,
-        timeout: timedelta,
-        anchors: Sequence[Any],
-        comms: Sequence[Any],
-        plan: Plan,
-        buffers: Sequence[Any],
-    ) -> Work:
-        """Issue ``plan`` for each device of ``anchors`` on its comm stream, ordered by streams."""
-        cuda = self._cuda
-        devices = [tensor.cuda_buffer(a, "tensor").device for a in anchors]
-        callers = [tensor.current_stream(a) for a in anchors]
-        kept = [(x, tensor.cuda_buffer(x, "tensor").device) for x in buffers]
-        try:
-            streams = [self._stream(d) for d in devices]
-            by_device = dict(zip(devices, streams, strict=True))
-            steps = [
-                plan(i, comm, s) for i, (comm, s) in enumerate(zip(comms, streams, strict=True))
-            ]
-            for device, stream, caller in zip(devices, streams, callers, strict=True):
-                with cuda.Device(device):
-                    ready = self._ready_event(device)
-                    record(cuda, ready, caller)
-                    follow(cuda, stream, ready)
-            cuda.nccl.groupStart()
+    def _run(self, launch: Launch, timeout: timedelta) -> None:
+        """Issue a blocking op's launch on the caller's streams; the watchdog watches it."""
+        with self._op_lock:
+            if not self._open:
+                self._check_usable(self._destroyed)
             try:
-                for device, calls in zip(devices, steps, strict=True):
+                launch.issue(self._nccl, self._cuda)
+            except Exception as exc:
+                raise self._fail(launch.op, timeout, exc) from exc
+            for marker in launch.markers:
+                self._watch.issued(marker, launch.op, timeout)
+
+    def _run_async(
+        self, launch: Launch, timeout: timedelta, anchors: Sequence[Any], buffers: Sequence[Any]
+    ) -> Work:
+        """Issue an async op's launch on the comm streams, after the callers' streams."""
+        cuda = self._cuda
+        callers = [tensor.current_stream(a) for a in anchors]
+        with self._op_lock:
+            if not self._open:
+                self._check_usable(self._destroyed)
+            try:
+                ready = [self._event(d) for d in launch.devices]
+                for device, event, stream, caller in zip(
+                    launch.devices, ready, launch.streams, callers, strict=True
+                ):
                     with cuda.Device(device):
-                        for method, args in calls:
-                            method(*args)
-            except BaseException:
-                discard_group(cuda.nccl)
-                raise
-            cuda.nccl.groupEnd()
-            events = {}
-            for device, stream in by_device.items():
-                with cuda.Device(device):
-                    events[device] = cuda.Event(disable_timing=True)
-                    record(cuda, events[device], stream)
-            for x, device in kept:
-                tensor.record_stream(x, by_device[device])
-        except Exception as exc:
-            raise self._fail(op, timeout, exc) from exc
-        event_list = list(events.values())
+                        record(cuda, event, caller)
+                        follow(cuda, stream, event)
+                launch.issue(self._nccl, cuda)
+                done = [self._event(d) for d in launch.devices]
+                for device, event, stream in zip(launch.devices, done, launch.streams, strict=True):
+                    with cuda.Device(device):
+                        record(cuda, event, stream)
+                for x in buffers:
+                    tensor.record_stream(x, launch.streams[0])
+            except Exception as exc:
+                raise self._fail(launch.op, timeout, exc) from exc
+            for marker in launch.markers:
+                self._watch.issued(marker, launch.op, timeout)
+            for device, event in zip(launch.devices, ready, strict=True):
+                self._give_back(device, [event])
         with self._lock:
-            self._inflight = [e for e in self._inflight if not settled(cuda, e[0])]
-            self._inflight.append((event_list, [x for x, _ in kept]))
+            if len(self._inflight) > 8:
+                self._inflight = [e for e in self._inflight if not settled(cuda, e[0])]
+            self._inflight.append((done, list(buffers)))
 
         def order_after() -> None:
-            waits = {(device, tensor.current_stream(x)) for x, device in kept}
-            for device, stream in waits:
+            for device, event, caller in zip(launch.devices, done, callers, strict=True):
                 with cuda.Device(device):
-                    follow(cuda, stream, events[device])
+                    follow(cuda, caller, event)
+            with self._op_lock:
+                for device, event in zip(launch.devices, done, strict=True):
+                    self._give_back(device, [event])
 
-        work = NcclWork(op, cuda, event_list, list(comms), order_after, self._fail, timeout)
-        if not options.async_op:
-            order_after()
-        return work
-
-    def _collective(
-        self, op: str, options: Any, anchors: Sequence[Any], plan: Plan, buffers: Sequence[Any]
-    ) -> Work:
-        """Launch ``plan`` on the collective communicators of ``anchors``' devices."""
-        devices = [tensor.cuda_buffer(a, "tensor").device for a in anchors]
-        return self._run(
-            op,
-            options,
-            anchors,
-            lambda timeout: self._collective_comms(devices, timeout),
-            plan,
-            buffers,
+        return NcclWork(
+            launch.op, cuda, done, self._all_comms(), order_after, self._fail, timeout, self._broken
         )
+
+    def _broken(self) -> CollectiveError | None:
+        """Return the group's failure, if the watchdog or another op found one."""
+        return self._error
 
     def abort(self, reason: str) -> None:
         """End this rank's ops; kernels still running after ``_ABORT_GRACE`` abort the comms."""
         super().abort(reason)
         with self._lock:
+            self._close()
             comms = [c for entry in self._comms.values() for c in entry]
             events = [e for pending in self._inflight for e in pending[0]]
+        events += self._watch.pending()
+        self._watch.stopped = True
         try:
             finished = wait_events(self._cuda, events, comms, _ABORT_GRACE)
         except RuntimeError:
@@ -373,15 +435,34 @@ class NCCLGroupBase(BaseGroup):
         The comm streams go back to the process's pool only when every op on them has
         finished; otherwise they are left alone, never destroyed.
         """
+        pending = self._watch.pending()
         self.abort(f"group {self.group_name!r} was destroyed on rank {self.rank}")
         with self._lock:
             self._destroyed = True
             comms = [c for entry in self._comms.values() for c in entry]
-            events = [e for pending in self._inflight for e in pending[0]]
+            events = [e for pending in self._inflight for e in pending[0]] + pending
             streams, self._streams = self._streams, {}
             self._comms.clear()
-            self._ready.clear()
         if release_communicators(self._cuda, comms, events, self._error is None, self.timeout):
             STREAMS.release(self._cuda, streams)
         with self._lock:
             self._inflight = []
+
+
+class _Done(Work):
+    """The ``Work`` of a blocking op: queued on the caller's stream, which orders what follows."""
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Return at once: later work on the caller's stream runs after the op."""
+
+    def is_completed(self) -> bool:
+        """Return True."""
+        return True
+
+    def exception(self) -> BaseException | None:
+        """Return None; a failure the watchdog finds fails the group's next call."""
+        return None
+
+
+DONE = _Done()
+"""The one ``Work`` every blocking op returns."""

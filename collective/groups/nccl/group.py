@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from collective.groups.nccl.base import Step
+from collective import tensor
+from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, per_device
+from collective.groups.nccl.launch import Plan, Step
 from collective.groups.nccl.p2p import NcclPointToPoint
 from collective.types import (
     AllGatherOptions,
@@ -22,10 +24,16 @@ from collective.types import (
     ArgumentValueError,
     BarrierOptions,
     BroadcastOptions,
+    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
 )
 from collective.work import Work
+
+REDUCE_OP_NAMES: dict[Any, ReduceOp] = {
+    alias: op for op in ReduceOp for alias in (op, op.name, op.name.lower())
+}
+"""Each ``ReduceOp`` by itself and its names, as the public ops take it; for cached calls."""
 
 
 class NCCLGroup(NcclPointToPoint):
@@ -33,15 +41,64 @@ class NCCLGroup(NcclPointToPoint):
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensors, in place."""
-        bufs = per_device(tensors, "tensor_list")
-        self.check_reduce_op(options.reduce_op, bufs[0].dtype)
-        op = NCCL_REDUCE_OPS[options.reduce_op]
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            b = bufs[i]
-            return [(comm.allReduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, stream))]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            bufs = per_device(tensors, "tensor_list")
+            self.check_reduce_op(options.reduce_op, bufs[0].dtype)
+            op = NCCL_REDUCE_OPS[options.reduce_op]
 
-        return self._collective("allreduce", options, tensors, plan, tensors)
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                b = bufs[i]
+                return [(comm.allReduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, stream))]
+
+            return tensors, self._comms_of(bufs), plan
+
+        extra = (options.reduce_op,)
+        return self._op("allreduce", options, tensors, tensors, extra, builder)
+
+    def allreduce_now(self, x: Any, op: Any) -> bool:
+        """Run a blocking allreduce whose launch is cached; False, doing nothing, on a miss."""
+        try:
+            key = (
+                "allreduce",
+                False,
+                (REDUCE_OP_NAMES[op],),
+                (tensor.buffer_key(x),),
+                (tensor.current_stream(x),),
+            )
+            launch = self._launches.get(key)
+        except (KeyError, TypeError, AttributeError):
+            return False
+        if launch is None:
+            return False
+        self._run(launch, self.timeout)
+        return True
+
+    def reduce_now(self, x: Any, op: Any, root: Any) -> bool:
+        """Run a blocking reduce whose launch is cached; False, doing nothing, on a miss."""
+        try:
+            extra = (REDUCE_OP_NAMES[op], root, 0) if type(root) is int else None
+            key = ("reduce", False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
+            launch = self._launches.get(key)
+        except (KeyError, TypeError, AttributeError):
+            return False
+        if launch is None:
+            return False
+        self._run(launch, self.timeout)
+        return True
+
+    def broadcast_now(self, x: Any, root: Any) -> bool:
+        """Run a blocking broadcast whose launch is cached; False, doing nothing, on a miss."""
+        try:
+            extra = (root, 0) if type(root) is int else None
+            key = ("broadcast", False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
+            launch = self._launches.get(key)
+        except (TypeError, AttributeError):
+            return False
+        if launch is None:
+            return False
+        self._run(launch, self.timeout)
+        return True
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier: a one-element allreduce."""
@@ -59,27 +116,37 @@ class NCCLGroup(NcclPointToPoint):
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
-        bufs = per_device(tensors, "tensor_list")
-        self.check_reduce_op(options.reduce_op, bufs[0].dtype)
-        op = NCCL_REDUCE_OPS[options.reduce_op]
-        root = options.root_rank * len(bufs) + options.root_tensor
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            b = bufs[i]
-            return [(comm.reduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, root, stream))]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            bufs = per_device(tensors, "tensor_list")
+            self.check_reduce_op(options.reduce_op, bufs[0].dtype)
+            op = NCCL_REDUCE_OPS[options.reduce_op]
+            root = options.root_rank * len(bufs) + options.root_tensor
 
-        return self._collective("reduce", options, tensors, plan, tensors)
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                b = bufs[i]
+                return [(comm.reduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, root, stream))]
+
+            return tensors, self._comms_of(bufs), plan
+
+        extra = (options.reduce_op, options.root_rank, options.root_tensor)
+        return self._op("reduce", options, tensors, tensors, extra, builder)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensors, in place."""
-        bufs = per_device(tensors, "tensor_list")
-        root = options.root_rank * len(bufs) + options.root_tensor
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            b = bufs[i]
-            return [(comm.broadcast, (b.ptr, b.ptr, b.count, b.nccl_dtype, root, stream))]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            bufs = per_device(tensors, "tensor_list")
+            root = options.root_rank * len(bufs) + options.root_tensor
 
-        return self._collective("broadcast", options, tensors, plan, tensors)
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                b = bufs[i]
+                return [(comm.broadcast, (b.ptr, b.ptr, b.count, b.nccl_dtype, root, stream))]
+
+            return tensors, self._comms_of(bufs), plan
+
+        extra = (options.root_rank, options.root_tensor)
+        return self._op("broadcast", options, tensors, tensors, extra, builder)
 
     def allgather(
         self,
@@ -88,28 +155,33 @@ class NCCLGroup(NcclPointToPoint):
         options: AllGatherOptions,
     ) -> Work:
         """Write NCCL rank j's tensor into element j of every list, as grouped broadcasts."""
-        ins = per_device(tensors, "input_tensor_list")
-        n = len(ins)
-        if len(tensor_lists) != n:
-            raise ArgumentValueError(f"output_tensor_lists must hold {n} lists (one per GPU)")
-        nranks = self.world_size * n
-        outs = [
-            buffers_on(tensor_lists[i], f"output_tensor_lists[{i}]", ins[i], nranks)
-            for i in range(n)
-        ]
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            me, b = self.rank * n + i, ins[i]
-            return [
-                (
-                    comm.broadcast,
-                    (b.ptr if j == me else out.ptr, out.ptr, b.count, b.nccl_dtype, j, stream),
-                )
-                for j, out in enumerate(outs[i])
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            ins = per_device(tensors, "input_tensor_list")
+            n = len(ins)
+            if len(tensor_lists) != n:
+                raise ArgumentValueError(f"output_tensor_lists must hold {n} lists (one per GPU)")
+            nranks = self.world_size * n
+            outs = [
+                buffers_on(tensor_lists[i], f"output_tensor_lists[{i}]", ins[i], nranks)
+                for i in range(n)
             ]
 
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                me, b = self.rank * n + i, ins[i]
+                return [
+                    (
+                        comm.broadcast,
+                        (b.ptr if j == me else out.ptr, out.ptr, b.count, b.nccl_dtype, j, stream),
+                    )
+                    for j, out in enumerate(outs[i])
+                ]
+
+            return tensors, self._comms_of(ins), plan
+
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("allgather", options, tensors, plan, [*tensors, *flat])
+        shape = tuple(len(xs) for xs in tensor_lists)
+        return self._op("allgather", options, [*tensors, *flat], tensors, shape, builder)
 
     def reducescatter(
         self,
@@ -121,23 +193,28 @@ class NCCLGroup(NcclPointToPoint):
 
         The input lists are only read.
         """
-        outs = per_device(tensors, "output_tensor_list")
-        n = len(outs)
-        if len(tensor_lists) != n:
-            raise ArgumentValueError(f"input_tensor_lists must hold {n} lists (one per GPU)")
-        self.check_reduce_op(options.reduce_op, outs[0].dtype)
-        op, nranks = NCCL_REDUCE_OPS[options.reduce_op], self.world_size * n
-        ins = [
-            buffers_on(tensor_lists[i], f"input_tensor_lists[{i}]", outs[i], nranks)
-            for i in range(n)
-        ]
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            out = outs[i]
-            return [
-                (comm.reduce, (source.ptr, out.ptr, out.count, out.nccl_dtype, op, j, stream))
-                for j, source in enumerate(ins[i])
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            outs = per_device(tensors, "output_tensor_list")
+            n = len(outs)
+            if len(tensor_lists) != n:
+                raise ArgumentValueError(f"input_tensor_lists must hold {n} lists (one per GPU)")
+            self.check_reduce_op(options.reduce_op, outs[0].dtype)
+            op, nranks = NCCL_REDUCE_OPS[options.reduce_op], self.world_size * n
+            ins = [
+                buffers_on(tensor_lists[i], f"input_tensor_lists[{i}]", outs[i], nranks)
+                for i in range(n)
             ]
 
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                out = outs[i]
+                return [
+                    (comm.reduce, (source.ptr, out.ptr, out.count, out.nccl_dtype, op, j, stream))
+                    for j, source in enumerate(ins[i])
+                ]
+
+            return tensors, self._comms_of(outs), plan
+
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("reducescatter", options, tensors, plan, [*tensors, *flat])
+        extra = (options.reduce_op, *(len(xs) for xs in tensor_lists))
+        return self._op("reducescatter", options, [*tensors, *flat], tensors, extra, builder)
