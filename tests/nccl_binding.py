@@ -45,6 +45,7 @@ UNHANDLED_CUDA_ERROR = 1
 NOT_READY = 600
 """``cudaErrorNotReady``."""
 
+
 @dataclass(frozen=True)
 class _Bfloat16:
     name: str = "bfloat16"

@@ -369,6 +369,7 @@ def test_barrier_allreduces_one_int32_and_blocks_until_done(ranks: Callable[...,
     for cupy in r.cupys:
         (call,) = cupy.trace.named("allReduce")
         assert call.args[2:5] == (1, nccl_dtype("int32"), real_nccl.NCCL_SUM)
-        done, _marker = [e for e in cupy.trace.named("eventRecord") if e.args[1] == cupy.streams()[0]]
+        stream = cupy.streams()[0]
+        done, _marker = [e for e in cupy.trace.named("eventRecord") if e.args[1] == stream]
         polled = [e.args[0] for e in cupy.trace.named("eventQuery") if e.thread == call.thread]
         assert polled == [done.args[0]]
