@@ -343,8 +343,12 @@ class NCCLGroupBase(BaseGroup):
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
+            single = launch.single
             try:
-                launch.issue(self._nccl, self._cuda)
+                if single is not None:
+                    single[0](*single[1])
+                else:
+                    launch.issue(self._nccl, self._cuda)
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
             for marker in launch.markers:

@@ -30,10 +30,18 @@ from collective.types import (
 )
 from collective.work import Work
 
-REDUCE_OP_NAMES: dict[Any, ReduceOp] = {
-    alias: op for op in ReduceOp for alias in (op, op.name, op.name.lower())
+REDUCE_OP_NAMES: dict[str, int] = {
+    alias: op._value_ for op in ReduceOp for alias in (op.name, op.name.lower())
 }
-"""Each ``ReduceOp`` by itself and its names, as the public ops take it; for cached calls."""
+"""The value of each ``ReduceOp`` by its names, as the public ops take them; for cached calls.
+
+Launch keys hold a reduction's value, not the member: hashing an enum member runs
+Python code (``Enum.__hash__``), hashing an int does not."""
+
+
+def _op_value(op: Any) -> int:
+    """Return the value of ``op``, a ``ReduceOp`` or one of its names (KeyError otherwise)."""
+    return op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op]
 
 
 class NCCLGroup(NcclPointToPoint):
@@ -53,7 +61,7 @@ class NCCLGroup(NcclPointToPoint):
 
             return tensors, self._comms_of(bufs), plan
 
-        extra = (options.reduce_op,)
+        extra = (options.reduce_op._value_,)
         return self._op("allreduce", options, tensors, tensors, extra, builder)
 
     def allreduce_now(self, x: Any, op: Any) -> bool:
@@ -62,7 +70,7 @@ class NCCLGroup(NcclPointToPoint):
             key = (
                 "allreduce",
                 False,
-                (REDUCE_OP_NAMES[op],),
+                (op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op],),
                 (tensor.buffer_key(x),),
                 (tensor.current_stream(x),),
             )
@@ -71,20 +79,20 @@ class NCCLGroup(NcclPointToPoint):
             return False
         if launch is None:
             return False
-        self._run(launch, self.timeout)
+        self._run(launch, self._timeout)
         return True
 
     def reduce_now(self, x: Any, op: Any, root: Any) -> bool:
         """Run a blocking reduce whose launch is cached; False, doing nothing, on a miss."""
         try:
-            extra = (REDUCE_OP_NAMES[op], root, 0) if type(root) is int else None
+            extra = (_op_value(op), root, 0) if type(root) is int else None
             key = ("reduce", False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
             launch = self._launches.get(key)
         except (KeyError, TypeError, AttributeError):
             return False
         if launch is None:
             return False
-        self._run(launch, self.timeout)
+        self._run(launch, self._timeout)
         return True
 
     def broadcast_now(self, x: Any, root: Any) -> bool:
@@ -97,7 +105,7 @@ class NCCLGroup(NcclPointToPoint):
             return False
         if launch is None:
             return False
-        self._run(launch, self.timeout)
+        self._run(launch, self._timeout)
         return True
 
     def barrier(self, options: BarrierOptions) -> Work:
@@ -129,7 +137,7 @@ class NCCLGroup(NcclPointToPoint):
 
             return tensors, self._comms_of(bufs), plan
 
-        extra = (options.reduce_op, options.root_rank, options.root_tensor)
+        extra = (options.reduce_op._value_, options.root_rank, options.root_tensor)
         return self._op("reduce", options, tensors, tensors, extra, builder)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
@@ -216,5 +224,5 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(outs), plan
 
         flat = [x for xs in tensor_lists for x in xs]
-        extra = (options.reduce_op, *(len(xs) for xs in tensor_lists))
+        extra = (options.reduce_op._value_, *(len(xs) for xs in tensor_lists))
         return self._op("reducescatter", options, [*tensors, *flat], tensors, extra, builder)
