@@ -41,7 +41,7 @@ from collective.groups.nccl import comm as nccl_comm
 from collective.store import TCPRendezvousStore
 from collective.tensor.kinds import is_torch
 from collective.types import AllReduceOptions, CpuTransport, GroupOptions
-from tests.nccl_binding import DeviceArray, FakeDevice, FakeEvent, _Devices
+from tests.nccl_binding import DeviceArray, FakeDevice, FakeEvent, Pinned, _Devices
 
 _CUDA0 = torch.device("cuda", 0)
 _STAND_INS = {__file__, sys.modules["tests.nccl_binding"].__file__}
@@ -112,8 +112,16 @@ def _bare_cupy() -> Any:
         runtime=_Nothing(),
         Device=lambda device=None: FakeDevice(devices, device),
         Event=FakeEvent,
+        alloc_pinned_memory=Pinned,
     )
-    return SimpleNamespace(cuda=cuda, int32=np.int32)
+
+    def zeros(shape: Any, dtype: Any) -> DeviceArray:
+        return DeviceArray((shape,) if isinstance(shape, int) else shape, np.dtype(dtype).name)
+
+    def asarray(host: np.ndarray) -> DeviceArray:
+        return DeviceArray(host.shape, host.dtype.name)
+
+    return SimpleNamespace(cuda=cuda, int32=np.int32, zeros=zeros, asarray=asarray)
 
 
 @contextmanager

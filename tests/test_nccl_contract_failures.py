@@ -49,8 +49,12 @@ def _x(device: int = 0) -> DeviceArray:
 
 
 def _warm(r: Ranks) -> None:
-    """Form every rank's communicators with one allreduce, then forget the calls."""
-    r.run(lambda _, g: g.allreduce([_x()], AllReduceOptions()))
+    """Form every rank's communicators with one allreduce, then forget the calls.
+
+    The allreduce is waited for, which reads its signature check, so that no check is
+    pending when a test makes the events fail.
+    """
+    r.run(lambda _, g: g.allreduce([_x()], AllReduceOptions(async_op=True)).wait())
     r.clear()
 
 

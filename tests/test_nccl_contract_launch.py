@@ -29,7 +29,7 @@ from collective.types import (
     CollectiveTimeoutError,
     ReduceOp,
 )
-from tests.nccl_binding import NOT_READY, DeviceArray
+from tests.nccl_binding import NOT_READY, DeviceArray, without_checks
 from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks, on_this_thread
 
 pytestmark = CONTRACT
@@ -87,9 +87,11 @@ def test_a_repeated_public_call_describes_nothing_and_makes_only_the_nccl_call(
             col.reduce(x, 0, name, op=ReduceOp.MIN)
         assert len(described) == first, "a cached call described its buffer again"
         me = threading.get_ident()
-        names = [e.name for e in r.cupys[0].trace.entries if e.thread == me]
-        one = ["streamIsCapturing", "eventRecord"]
-        assert names == ["allReduce", *one, "broadcast", *one, "reduce", *one] * 5
+        names = [e.name for e in without_checks(r.cupys[0].trace.entries) if e.thread == me]
+        ops = ["allReduce", "broadcast", "reduce"]
+        hit = [n for n in names if n != "eventQuery"]  # a read of the last op's check
+        assert hit == [n for op in ops for n in ("streamIsCapturing", op, "eventRecord")] * 5
+        assert names.count("eventQuery") <= 15
     finally:
         col.destroy_collective_group(name)
 
@@ -106,7 +108,8 @@ def test_another_buffer_stream_or_option_builds_its_own_launch(
     r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=0)))
     monkeypatch.setattr(tensor, "current_stream", lambda x: 0xBEEF)
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
-    calls = [(e.name, e.args) for e in r.cupys[0].trace.named("allReduce", "broadcast")]
+    entries = without_checks(r.cupys[0].trace.entries)
+    calls = [(e.name, e.args) for e in entries if e.name in ("allReduce", "broadcast")]
     assert calls == [
         ("allReduce", (x.ptr, x.ptr, 32, 7, 0, caller_stream(0))),
         ("allReduce", (y.ptr, y.ptr, 32, 7, 0, caller_stream(0))),
@@ -209,7 +212,7 @@ def test_nothing_records_queries_or_syncs_while_a_stream_captures(
         r.run(lambda _, g: g.allreduce([x], short))
     time.sleep(0.8)  # watchdog rounds while the capture lasts, past the pending op's deadline
     during = [e.name for e in trace.entries]
-    assert [n for n in during if n != "streamIsCapturing"] == ["allReduce"] * 3
+    assert [n for n in during if n != "streamIsCapturing"] == ["allReduce"] * 3  # no check
     assert not set(during) & set(SYNCS)
     assert r.groups[0].error is None
     trace.capturing.clear()

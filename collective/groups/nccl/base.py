@@ -55,6 +55,7 @@ from typing import Any
 
 from collective import tensor
 from collective.groups.base import BaseGroup
+from collective.groups.nccl import mismatch
 from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     create_communicators,
@@ -65,7 +66,7 @@ from collective.groups.nccl.comm import (
     unavailable_reason,
 )
 from collective.groups.nccl.cuda import STREAMS, NcclWork, follow, record, settled, wait_events
-from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, Plan, build
+from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, Plan, Signed, build
 from collective.groups.nccl.watchdog import Watch
 from collective.store import RendezvousStore, meet
 from collective.tensor import NCCL_DTYPES, CudaBuffer
@@ -75,6 +76,7 @@ from collective.types import (
     CollectiveError,
     CollectiveTimeoutError,
     GroupOptions,
+    ReduceOp,
 )
 from collective.work import Work
 
@@ -135,7 +137,16 @@ class NCCLGroupBase(BaseGroup):
         self._destroyed = False
         self._open = True
         """False once the group failed, was aborted or destroyed: ``_check_usable`` says why."""
-        self._watch = Watch(self._cuda, self._op_lock, self._all_comms, self._fail)
+        self._checking = mismatch.enabled()
+        self._checks: dict[int, mismatch.Check] = {}
+        self._watch = Watch(
+            self._cuda,
+            self._op_lock,
+            self._all_comms,
+            self._fail,
+            self._mismatch,
+            self._check_events,
+        )
 
     @classmethod
     def backend(cls) -> Backend | str:
@@ -287,12 +298,15 @@ class NCCLGroupBase(BaseGroup):
         anchors: Sequence[Any],
         extra: tuple[Any, ...],
         builder: Builder,
+        signed: tuple[int, ReduceOp | None] | None = None,
     ) -> Work:
         """Run ``op`` through its cached launch, building it on the first call of its signature.
 
         ``buffers`` holds every caller buffer the op reads or writes, ``anchors`` one
         per device, whose current streams the op runs on (or follows); ``extra`` the
-        arguments besides the buffers that change the calls (root, reduction).
+        arguments besides the buffers that change the calls (root, reduction);
+        ``signed`` the root and reduction of a collective whose signature the ranks
+        compare (see ``mismatch``), None for an op they do not.
         """
         key = (
             op,
@@ -304,14 +318,20 @@ class NCCLGroupBase(BaseGroup):
         timeout = options.timeout or self.timeout
         launch = self._launches.get(key)
         if launch is None:
-            launch = self._build(key, op, options.async_op, timeout, builder)
+            launch = self._build(key, op, options.async_op, timeout, builder, signed)
         if options.async_op:
             return self._run_async(launch, timeout, anchors, buffers)
         self._run(launch, timeout)
         return DONE
 
     def _build(
-        self, key: tuple[Any, ...], op: str, async_op: bool, timeout: timedelta, builder: Builder
+        self,
+        key: tuple[Any, ...],
+        op: str,
+        async_op: bool,
+        timeout: timedelta,
+        builder: Builder,
+        signed: tuple[int, ReduceOp | None] | None,
     ) -> Launch:
         """Check the buffers, make the communicators if new, and build (and keep) the launch."""
         anchors, communicators, plan = builder()
@@ -327,7 +347,10 @@ class NCCLGroupBase(BaseGroup):
                 markers = tuple(
                     self._watch.marker(s, d) for s, d in zip(streams, devices, strict=True)
                 )
-                launch = build(op, devices, comms, streams, plan, markers)
+                check = None
+                if signed is not None and self._checking and len(devices) == 1:
+                    check = self._signed(op, anchors[0], devices[0], comms[0], *signed)
+                launch = build(op, devices, comms, streams, plan, markers, check)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
             if None not in key[3]:
@@ -338,21 +361,58 @@ class NCCLGroupBase(BaseGroup):
                         self._launches[key] = launch
         return launch
 
+    def _signed(
+        self, op: str, x: Any, device: int, comm: Any, root: int, reduce_op: ReduceOp | None
+    ) -> Signed:
+        """Return the signature check of ``op`` on ``x``: its words, put on GPU ``device``."""
+        check = self._checks.get(device)
+        if check is None:
+            check = self._checks[device] = mismatch.Check(self._cupy, device)
+        with self._cuda.Device(device):
+            words = self._cupy.asarray(mismatch.words(op, x, root, reduce_op))
+        return Signed(check, words, int(words.data.ptr), comm)
+
+    def _mismatch(self) -> CollectiveError | None:
+        """Read the finished signature checks (op lock held); fail the group on a mismatch.
+
+        Returns the group's error after a mismatch, or a CUDA error of a check's event.
+        """
+        for check in self._checks.values():
+            try:
+                found = check.read()
+            except RuntimeError as exc:
+                return self._fail(check.oldest(), self.timeout, exc)
+            if found is not None:
+                error = CollectiveError(
+                    f"group {self.group_name!r}, found on rank {self.rank}: {found}; NCCL "
+                    "moved nothing right, and the group is unusable"
+                )
+                return self._fail(found.split(":")[0], self.timeout, error)
+        return None
+
     def _run(self, launch: Launch, timeout: timedelta) -> None:
         """Issue a blocking op's launch on the caller's streams; the watchdog watches it."""
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
-            single = launch.single
+            capturing = self._watch.capturing(launch.markers[0])
+            if self._checks and not capturing:
+                found = self._mismatch()
+                if found is not None:
+                    raise found
+            signed, single = launch.signed, launch.single
             try:
+                if signed is not None and not capturing:
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
                 if single is not None:
                     single[0](*single[1])
                 else:
                     launch.issue(self._nccl, self._cuda)
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
-            for marker in launch.markers:
-                self._watch.issued(marker, launch.op, timeout)
+            if not capturing:
+                for marker in launch.markers:
+                    self._watch.issued(marker, launch.op, timeout)
 
     def _run_async(
         self, launch: Launch, timeout: timedelta, anchors: Sequence[Any], buffers: Sequence[Any]
@@ -363,6 +423,11 @@ class NCCLGroupBase(BaseGroup):
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
+            if self._checks:
+                found = self._mismatch()
+                if found is not None:
+                    raise found
+            signed = launch.signed
             try:
                 ready = [self._event(d) for d in launch.devices]
                 for device, event, stream, caller in zip(
@@ -371,6 +436,8 @@ class NCCLGroupBase(BaseGroup):
                     with cuda.Device(device):
                         record(cuda, event, caller)
                         follow(cuda, stream, event)
+                if signed is not None:
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
                 launch.issue(self._nccl, cuda)
                 done = [self._event(d) for d in launch.devices]
                 for device, event, stream in zip(launch.devices, done, launch.streams, strict=True):
@@ -381,7 +448,8 @@ class NCCLGroupBase(BaseGroup):
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
             for marker in launch.markers:
-                self._watch.issued(marker, launch.op, timeout)
+                if not self._watch.capturing(marker):
+                    self._watch.issued(marker, launch.op, timeout)
             for device, event in zip(launch.devices, ready, strict=True):
                 self._give_back(device, [event])
         with self._lock:
@@ -402,8 +470,17 @@ class NCCLGroupBase(BaseGroup):
         )
 
     def _broken(self) -> CollectiveError | None:
-        """Return the group's failure, if the watchdog or another op found one."""
+        """Return the group's failure, if the watchdog, a signature check or an op found one."""
+        if self._checks and self._op_lock.acquire(timeout=self.timeout.total_seconds()):
+            try:
+                self._mismatch()
+            finally:
+                self._op_lock.release()
         return self._error
+
+    def _check_events(self) -> list[Any]:
+        """Return the events of the signature checks not yet read."""
+        return [e for check in list(self._checks.values()) for e in check.events()]
 
     def abort(self, reason: str) -> None:
         """End this rank's ops; kernels still running after ``_ABORT_GRACE`` abort the comms."""

@@ -62,7 +62,8 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), plan
 
         extra = (options.reduce_op._value_,)
-        return self._op("allreduce", options, tensors, tensors, extra, builder)
+        signed = (-1, options.reduce_op)
+        return self._op("allreduce", options, tensors, tensors, extra, builder, signed)
 
     def allreduce_now(self, x: Any, op: Any) -> bool:
         """Run a blocking allreduce whose launch is cached; False, doing nothing, on a miss."""
@@ -138,7 +139,8 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), plan
 
         extra = (options.reduce_op._value_, options.root_rank, options.root_tensor)
-        return self._op("reduce", options, tensors, tensors, extra, builder)
+        signed = (options.root_rank, options.reduce_op)
+        return self._op("reduce", options, tensors, tensors, extra, builder, signed)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensors, in place."""
@@ -154,7 +156,8 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), plan
 
         extra = (options.root_rank, options.root_tensor)
-        return self._op("broadcast", options, tensors, tensors, extra, builder)
+        signed = (options.root_rank, None)
+        return self._op("broadcast", options, tensors, tensors, extra, builder, signed)
 
     def allgather(
         self,
@@ -189,7 +192,8 @@ class NCCLGroup(NcclPointToPoint):
 
         flat = [x for xs in tensor_lists for x in xs]
         shape = tuple(len(xs) for xs in tensor_lists)
-        return self._op("allgather", options, [*tensors, *flat], tensors, shape, builder)
+        buffers = [*tensors, *flat]
+        return self._op("allgather", options, buffers, tensors, shape, builder, (-1, None))
 
     def reducescatter(
         self,
@@ -225,4 +229,6 @@ class NCCLGroup(NcclPointToPoint):
 
         flat = [x for xs in tensor_lists for x in xs]
         extra = (options.reduce_op._value_, *(len(xs) for xs in tensor_lists))
-        return self._op("reducescatter", options, [*tensors, *flat], tensors, extra, builder)
+        signed = (-1, options.reduce_op)
+        buffers = [*tensors, *flat]
+        return self._op("reducescatter", options, buffers, tensors, extra, builder, signed)

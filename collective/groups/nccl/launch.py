@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from collective.groups.nccl.comm import discard_group
+from collective.groups.nccl.mismatch import Check
 from collective.groups.nccl.watchdog import Marker
 
 Step = tuple[Callable[..., Any], tuple[Any, ...]]
@@ -28,6 +29,17 @@ Plan = Callable[[int, Any, int], list[Step]]
 
 LAUNCHES_KEPT = 256
 """How many launches a group keeps; the oldest goes first."""
+
+
+@dataclass(frozen=True)
+class Signed:
+    """The signature check of a launch: its words on the GPU and where they are reduced."""
+
+    check: Check
+    words: Any
+    """The GPU array of the op's signature words, kept alive with the launch."""
+    ptr: int
+    comm: Any
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class Launch:
     markers: tuple[Marker, ...]
     """The watchdog's marker of each of ``streams``."""
     single: Step | None
+    signed: Signed | None = None
+    """The op's signature check, issued just ahead of it; None for ops not checked."""
 
     def issue(self, nccl: Any, cuda: Any) -> None:
         """Issue the calls; on a failure inside the NCCL group, discard the whole group.
@@ -79,6 +93,7 @@ def build(
     streams: tuple[int, ...],
     plan: Plan,
     markers: tuple[Marker, ...],
+    signed: Signed | None = None,
 ) -> Launch:
     """Return the launch of ``plan`` on ``comms``, device i's calls on ``streams[i]``."""
     calls = tuple(
@@ -91,4 +106,4 @@ def build(
         and getattr(calls[0][0][0], "__self__", None) in comms
     ):
         single = calls[0][0]
-    return Launch(op, devices, calls, streams, markers, single)
+    return Launch(op, devices, calls, streams, markers, single, signed)

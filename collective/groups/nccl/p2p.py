@@ -107,7 +107,8 @@ class NcclPointToPoint(NCCLGroupBase):
 
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
-        return self._op("gather", options, [*tensors, *flat], tensors, extra, builder)
+        buffers = [*tensors, *flat]
+        return self._op("gather", options, buffers, tensors, extra, builder, (root, None))
 
     def scatter(
         self,
@@ -137,7 +138,8 @@ class NcclPointToPoint(NCCLGroupBase):
 
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
-        return self._op("scatter", options, [*tensors, *flat], tensors, extra, builder)
+        buffers = [*tensors, *flat]
+        return self._op("scatter", options, buffers, tensors, extra, builder, (root, None))
 
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions

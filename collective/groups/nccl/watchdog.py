@@ -64,12 +64,21 @@ class Watch:
         lock: threading.Lock,
         comms: Callable[[], Sequence[Any]],
         fail: Callable[[str, timedelta, BaseException], Any],
+        mismatch: Callable[[], BaseException | None] = lambda: None,
+        unread: Callable[[], list[Any]] = list,
     ) -> None:
-        """Watch ops issued under ``lock`` on ``comms()``; ``fail`` ends the group."""
+        """Watch ops issued under ``lock`` on ``comms()``; ``fail`` ends the group.
+
+        ``mismatch`` reads the finished signature checks and returns the error of a
+        mismatch (having failed the group), or None; ``unread`` returns the events of
+        the checks not yet read, which keep the group patrolled.
+        """
         self._cuda = cuda
         self._lock = lock
         self._comms = comms
         self._fail = fail
+        self._mismatch = mismatch
+        self._unread = unread
         self.markers: dict[int, Marker] = {}
         self.stopped = False
 
@@ -83,8 +92,8 @@ class Watch:
             found = self.markers[stream] = Marker(event, stream, device)
         return found
 
-    def issued(self, marker: Marker, op: str, timeout: timedelta) -> None:
-        """Mark that ``op`` was just queued on ``marker``'s stream; outside capture only."""
+    def capturing(self, marker: Marker) -> bool:
+        """Return whether ``marker``'s stream captures a CUDA graph; the watchdog then waits."""
         runtime = self._cuda.runtime
         try:
             capturing = runtime.streamIsCapturing(marker.stream) != _CAPTURE_NONE
@@ -92,16 +101,26 @@ class Watch:
             capturing = True  # e.g. the legacy stream while another thread captures
         if capturing:
             WATCHDOG.captured(runtime, marker.stream)
-            return
-        runtime.eventRecord(marker.event.ptr, marker.stream)
-        if marker.deadline is None:
-            marker.op, marker.timeout = op, timeout
-            marker.deadline = time.monotonic() + timeout.total_seconds()
-            WATCHDOG.wake(self)
+        return capturing
+
+    def issued(self, marker: Marker, op: str, timeout: timedelta) -> None:
+        """Mark that ``op`` was just queued on ``marker``'s stream (never during capture).
+
+        The marker's deadline is the earliest of its pending ops': an op with a short
+        timeout behind one with a long timeout ends at its own.
+        """
+        self._cuda.runtime.eventRecord(marker.event.ptr, marker.stream)
+        deadline = time.monotonic() + timeout.total_seconds()
+        earliest = marker.deadline
+        if earliest is None or deadline < earliest:
+            marker.op, marker.timeout, marker.deadline = op, timeout, deadline
+            if earliest is None:
+                WATCHDOG.wake(self)
 
     def pending(self) -> list[Any]:
-        """Return the events of the markers with ops not yet seen finished."""
-        return [m.event for m in list(self.markers.values()) if m.deadline is not None]
+        """Return the events of the ops not yet seen finished, and of the checks not yet read."""
+        markers = [m.event for m in list(self.markers.values()) if m.deadline is not None]
+        return markers + self._unread()
 
     def patrol(self, now: float) -> bool:
         """Query the pending markers once; fail the group on an error or a passed deadline.
@@ -118,6 +137,14 @@ class Watch:
 
     def _patrol(self, now: float) -> bool:
         busy = False
+        try:
+            if self._mismatch() is not None:
+                self.stopped = True
+                return False
+        except RuntimeError as exc:
+            self._fail("nccl signature check", timedelta(0), exc)
+            self.stopped = True
+            return False
         for marker in list(self.markers.values()):
             if marker.deadline is None or self.stopped:
                 continue
@@ -134,7 +161,7 @@ class Watch:
                 self._end(marker, TimeoutError(_stuck(marker)))
                 return False
             busy = True
-        return busy
+        return busy or bool(self._unread())
 
     def _end(self, marker: Marker, exc: BaseException) -> None:
         self.stopped = True
