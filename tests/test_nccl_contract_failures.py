@@ -55,6 +55,7 @@ def _warm(r: Ranks) -> None:
     pending when a test makes the events fail.
     """
     r.run(lambda _, g: g.allreduce([_x()], AllReduceOptions(async_op=True)).wait())
+    r.settle()
     r.clear()
 
 

@@ -124,7 +124,7 @@ def test_the_cache_is_bounded_and_abort_drops_it(
     ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(nccl_launch, "LAUNCHES_KEPT", 4)
-    monkeypatch.setattr("collective.groups.nccl.base.LAUNCHES_KEPT", 4)
+    monkeypatch.setattr("collective.groups.nccl.running.LAUNCHES_KEPT", 4)
     r = ranks(1)
     g = r.groups[0]
     xs = [DeviceArray(SHAPE, "float32") for _ in range(6)]
@@ -144,6 +144,7 @@ def test_a_blocking_op_that_never_finishes_is_aborted_by_the_watchdog(
     r = ranks(1)
     x = DeviceArray(SHAPE, "float32")
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
+    r.settle()
     r.cupys[0].trace.event_status = lambda handle, real_status: NOT_READY
     timeout = timedelta(seconds=0.5)
     start = time.monotonic()
@@ -169,6 +170,7 @@ def test_an_async_nccl_error_after_a_blocking_op_breaks_the_group(
     r = ranks(1)
     x = DeviceArray(SHAPE, "float32")
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
+    r.settle()
     trace = r.cupys[0].trace
     trace.event_status = lambda handle, real_status: NOT_READY
     trace.let_through = lambda entry: entry.name == "check_async_error"
@@ -185,6 +187,7 @@ def test_an_async_wait_raises_the_watchdogs_timeout(ranks: Callable[..., Ranks])
     r = ranks(1)
     x = DeviceArray(SHAPE, "float32")
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
+    r.settle()
     r.cupys[0].trace.event_status = lambda handle, real_status: NOT_READY
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions(timeout=timedelta(seconds=0.3))))
     deadline = time.monotonic() + SLACK_S
@@ -201,6 +204,7 @@ def test_nothing_records_queries_or_syncs_while_a_stream_captures(
     r = ranks(1)
     x = DeviceArray(SHAPE, "float32")
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
+    r.settle()
     trace = r.cupys[0].trace
     trace.event_status = lambda handle, real_status: NOT_READY
     short = AllReduceOptions(timeout=timedelta(seconds=0.3))

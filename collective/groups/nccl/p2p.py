@@ -11,9 +11,10 @@ from datetime import timedelta
 from typing import Any
 
 from collective import tensor
-from collective.groups.nccl.base import Communicators, NCCLGroupBase
+from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import buffers_on, per_device
 from collective.groups.nccl.launch import Plan, Step
+from collective.groups.nccl.running import NcclRunning
 from collective.tensor import CudaBuffer
 from collective.types import (
     AllToAllOptions,
@@ -29,7 +30,7 @@ _DEVICE_TO_DEVICE = 3
 """``cudaMemcpyDeviceToDevice``."""
 
 
-class NcclPointToPoint(NCCLGroupBase):
+class NcclPointToPoint(NcclRunning):
     """The send/recv-based ops of ``NCCLGroup``, on the communicators and launcher of its base."""
 
     def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
