@@ -215,8 +215,12 @@ def test_nothing_records_queries_or_syncs_while_a_stream_captures(
     for _ in range(3):
         r.run(lambda _, g: g.allreduce([x], short))
     time.sleep(0.8)  # watchdog rounds while the capture lasts, past the pending op's deadline
+    y = DeviceArray(SHAPE, "float32")  # its launch is built during the capture
+    kept = len(r.groups[0]._launches)
+    r.run(lambda _, g: g.allreduce([y], short))
+    assert len(r.groups[0]._launches) == kept, "a launch built during capture was kept"
     during = [e.name for e in trace.entries]
-    assert [n for n in during if n != "streamIsCapturing"] == ["allReduce"] * 3  # no check
+    assert [n for n in during if n != "streamIsCapturing"] == ["allReduce"] * 4  # no check
     assert not set(during) & set(SYNCS)
     assert r.groups[0].error is None
     trace.capturing.clear()

@@ -98,7 +98,12 @@ class NcclRunning(NCCLGroupBase):
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None,
     ) -> Launch:
-        """Check the buffers, make the communicators if new, and build (and keep) the launch."""
+        """Check the buffers, make the communicators if new, and build (and keep) the launch.
+
+        A launch built while its stream captures a CUDA graph allocates nothing: it has
+        no marker and no signature check, and it is not kept (a later call outside the
+        capture builds one that has both).
+        """
         anchors, communicators, plan = builder()
         devices = tuple(tensor.cuda_buffer(a, "tensor").device for a in anchors)
         with self._op_lock:
@@ -109,16 +114,19 @@ class NcclRunning(NCCLGroupBase):
                     streams = tuple(self._stream(d) for d in devices)
                 else:
                     streams = tuple(key[4])
+                capturing = not async_op and self._watch.capturing(streams[0])
                 markers = tuple(
-                    self._watch.marker(s, d) for s, d in zip(streams, devices, strict=True)
+                    self._watch.marker(s, d)
+                    for s, d in zip(streams, devices, strict=True)
+                    if not capturing
                 )
                 check = None
-                if signed is not None and self._checking and len(devices) == 1:
+                if signed is not None and self._checking and len(devices) == 1 and not capturing:
                     check = self._signed(op, anchors[0], devices[0], comms[0], *signed)
                 launch = build(op, devices, comms, streams, plan, markers, check)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
-            if None not in key[3]:
+            if None not in key[3] and not capturing:
                 with self._lock:
                     if self._open:
                         if len(self._launches) >= LAUNCHES_KEPT:
@@ -131,7 +139,7 @@ class NcclRunning(NCCLGroupBase):
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
-            capturing = self._watch.capturing(launch.markers[0])
+            capturing = self._watch.capturing(launch.streams[0])
             if self._checks and not capturing:
                 found = self._mismatch()
                 if found is not None:
@@ -188,7 +196,7 @@ class NcclRunning(NCCLGroupBase):
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
             for marker in launch.markers:
-                if not self._watch.capturing(marker):
+                if not self._watch.capturing(marker.stream):
                     self._watch.issued(marker, launch.op, timeout)
             for device, event in zip(launch.devices, ready, strict=True):
                 self._give_back(device, [event])

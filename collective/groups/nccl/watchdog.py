@@ -92,15 +92,15 @@ class Watch:
             found = self.markers[stream] = Marker(event, stream, device)
         return found
 
-    def capturing(self, marker: Marker) -> bool:
-        """Return whether ``marker``'s stream captures a CUDA graph; the watchdog then waits."""
+    def capturing(self, stream: int) -> bool:
+        """Return whether ``stream`` captures a CUDA graph; the watchdog then waits."""
         runtime = self._cuda.runtime
         try:
-            capturing = runtime.streamIsCapturing(marker.stream) != _CAPTURE_NONE
+            capturing = runtime.streamIsCapturing(stream) != _CAPTURE_NONE
         except runtime.CUDARuntimeError:
             capturing = True  # e.g. the legacy stream while another thread captures
         if capturing:
-            WATCHDOG.captured(runtime, marker.stream)
+            WATCHDOG.captured(runtime, stream)
         return capturing
 
     def issued(self, marker: Marker, op: str, timeout: timedelta) -> None:
