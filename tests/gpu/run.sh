@@ -11,12 +11,25 @@
 # allreduce spends its time). Exits non-zero if a test or the benchmark failed.
 # Time limits (seconds), each overridable: GPU_TESTS_TIMEOUT_S, BENCH_TIMEOUT_S and
 # BENCH_BUDGET_S (the benchmark stops measuring new points after it).
+# World sizes 2 and 3 run on any GPU machine: where fewer GPUs are visible than ranks,
+# the rank processes share them, each claiming a host of its own for NCCL
+# (NCCL_HOSTID, NCCL_SOCKET_IFNAME=lo; see tests/gpu/cases.py).
+# GPU_WHEELS=DIR installs the wheels in DIR (e.g. Ray and its dependencies, for a
+# machine without network) with pip install --no-index --no-deps --target, so that the
+# Ray GPU tests run; without Ray they skip, saying so.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+if [ -n "${GPU_WHEELS:-}" ]; then
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$OUT/wheels" \
+        "$GPU_WHEELS"/*.whl >"$OUT/wheels.log" 2>&1 || echo "GPU_WHEELS: install failed, see $OUT/wheels.log"
+    export PYTHONPATH="$PYTHONPATH:$OUT/wheels"
+    export PATH="$OUT/wheels/bin:$PATH"
+fi
 
 # cupy loads libnccl.so.2 at import; point the loader at the NCCL of the nvidia-nccl wheel.
 nccl_lib="$("$PYTHON" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)"
@@ -53,7 +66,7 @@ EOF
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-240}" "$PYTHON" -m pytest -p no:cacheprovider \
+timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -p no:cacheprovider \
     --confcutdir=tests/gpu -ra --timeout=120 tests/gpu 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 

@@ -1,6 +1,9 @@
-"""The public API inside Ray actors, one GPU per actor: where Ray and GPUs are both present.
+"""The public API inside Ray actors, where Ray and GPUs are both present.
 
-Skipped, saying why, without a GPU or without Ray (the lent GPU machines have no Ray).
+Each actor has a GPU of its own where there are enough; otherwise the actors share
+them (``num_gpus`` a fraction), each claiming a host of its own for NCCL through its
+``runtime_env``. Skipped, saying why, without a GPU or without Ray (``tests/gpu/run.sh``
+installs Ray offline from ``GPU_WHEELS``).
 """
 
 from __future__ import annotations
@@ -65,13 +68,20 @@ def _public_api_ops(world_size: int, rank: int, name: str) -> list[list[float]]:
         col.destroy_collective_group(name)
 
 
+def _actor_options(world_size: int, rank: int) -> dict[str, Any]:
+    """Return the options of actor ``rank``: a GPU of its own, or a share and a host of its own."""
+    gpus = cases.gpu_count()
+    if world_size <= gpus:
+        return {"num_gpus": 1}
+    env = {"NCCL_HOSTID": f"collective-actor-{rank}", "NCCL_SOCKET_IFNAME": "lo"}
+    return {"num_gpus": gpus / world_size, "runtime_env": {"env_vars": env}}
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_public_api_in_ray_actors(gpu_ray: Any, world_size: int) -> None:
-    if world_size > cases.gpu_count():
-        pytest.skip(f"{world_size} actors need {world_size} GPUs; {cases.gpu_count()} visible")
     from tests.conftest import Member, our_named_actors
 
-    actors = [Member.options(num_gpus=1).remote() for _ in range(world_size)]
+    actors = [Member.options(**_actor_options(world_size, r)).remote() for r in range(world_size)]
     name = f"nccl-ray-{uuid.uuid4().hex[:8]}"
     refs = [a.run.remote(_public_api_ops, world_size, r, name) for r, a in enumerate(actors)]
     results = gpu_ray.get(refs, timeout=300)
