@@ -379,3 +379,41 @@ def test_barrier_allreduces_one_int32_and_blocks_until_done(ranks: Callable[...,
         done, _marker = [e for e in records if e.args[1] == stream]
         polled = [e.args[0] for e in cupy.trace.named("eventQuery") if e.thread == call.thread]
         assert polled[:1] == [done.args[0]]  # then the signature check's, maybe
+
+
+def views(n: int, dtype: str) -> list[DeviceArray]:
+    """Return ``n`` consecutive chunks of one GPU buffer, as ``tensor.chunks`` makes them."""
+    chunks = bufs(n, dtype)
+    nbytes = COUNT * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
+    for j, chunk in enumerate(chunks):
+        chunk.ptr = chunk.data.ptr = chunks[0].ptr + j * nbytes
+    return chunks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int32"])
+def test_allgather_and_reducescatter_on_one_flat_buffer_are_one_nccl_call_each(
+    ranks: Callable[..., Ranks], dtype: str
+) -> None:
+    """No copy and no per-rank calls: the chunks of one buffer are NCCL's own layout."""
+    r = ranks(3)
+    d = nccl_dtype(dtype)
+    x = [DeviceArray(SHAPE, dtype) for _ in range(3)]
+    outs = [views(3, dtype) for _ in range(3)]
+    r.run(lambda rank, g: g.allgather([outs[rank]], [x[rank]], AllGatherOptions()))
+    for rank, cupy in enumerate(r.cupys):
+        assert op_calls(cupy.trace.entries) == [
+            ("allGather", (x[rank].ptr, outs[rank][0].ptr, COUNT, d, caller_stream(0)))
+        ]
+    r.clear()
+    summing = ReduceScatterOptions(ReduceOp.MIN)
+    r.run(lambda rank, g: g.reducescatter([x[rank]], [outs[rank]], summing))
+    for rank, cupy in enumerate(r.cupys):
+        op = REDUCTIONS[ReduceOp.MIN]
+        assert op_calls(cupy.trace.entries) == [
+            ("reduceScatter", (outs[rank][0].ptr, x[rank].ptr, COUNT, d, op, caller_stream(0)))
+        ]
+    check_devices(r)
+    r.clear()  # a list whose chunks are out of rank order keeps the per-rank calls
+    shuffled = [[o[1], o[0], o[2]] for o in outs]
+    r.run(lambda rank, g: g.allgather([shuffled[rank]], [x[rank]], AllGatherOptions()))
+    assert [name for name, _ in op_calls(r.cupys[0].trace.entries)] == ["broadcast"] * 3

@@ -52,7 +52,9 @@ OPS = (
     "reduce",
     "broadcast",
     "allgather",
+    "allgather_flat",
     "reducescatter",
+    "reducescatter_flat",
     "gather",
     "scatter",
     "alltoall",
@@ -182,6 +184,16 @@ def run_op(group: Any, device: int, op: str, kind: str, dtype: str, async_op: bo
     elif op == "allgather":
         outs = [new(zeros) for _ in range(n)]
         work = group.allgather([outs], [new(values(rank))], AllGatherOptions(async_op=async_op))
+    elif op == "allgather_flat":  # chunks of one buffer: one NCCL allgather, no copy
+        flat = new(np.zeros((n, *SHAPE)))
+        outs = [flat[j] for j in range(n)]
+        work = group.allgather([outs], [new(values(rank))], AllGatherOptions(async_op=async_op))
+    elif op == "reducescatter_flat":
+        flat = new(np.stack([values(rank, offset=j) for j in range(n)]))
+        chunks = [flat[j] for j in range(n)]
+        outs = [new(zeros), *chunks]
+        summing = ReduceScatterOptions(ReduceOp.SUM, async_op=async_op)
+        work = group.reducescatter(outs[:1], [chunks], summing)
     elif op == "reducescatter":
         chunks = [new(values(rank, offset=j)) for j in range(n)]
         outs = [new(zeros), *chunks]
@@ -219,9 +231,9 @@ def expected(op: str, rank: int, world_size: int) -> list[np.ndarray]:
         return [reduced(inputs, ReduceOp.SUM) if rank == root else values(rank)]
     if op == "broadcast":
         return [values(root, offset=1)]
-    if op == "allgather":
+    if op in ("allgather", "allgather_flat"):
         return inputs
-    if op == "reducescatter":
+    if op in ("reducescatter", "reducescatter_flat"):
         summed = reduced([values(r, offset=rank) for r in range(n)], ReduceOp.SUM)
         return [summed, *(values(rank, offset=j) for j in range(n))]
     if op == "gather":

@@ -15,7 +15,7 @@ from typing import Any
 
 from collective import tensor
 from collective.groups.nccl.base import Communicators
-from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, per_device
+from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, consecutive, per_device
 from collective.groups.nccl.launch import Plan, Step
 from collective.groups.nccl.p2p import NcclPointToPoint
 from collective.types import (
@@ -165,7 +165,12 @@ class NCCLGroup(NcclPointToPoint):
         tensors: Sequence[Any],
         options: AllGatherOptions,
     ) -> Work:
-        """Write NCCL rank j's tensor into element j of every list, as grouped broadcasts."""
+        """Write NCCL rank j's tensor into element j of every list.
+
+        A list of consecutive views of one buffer, in rank order, is filled by one NCCL
+        allgather, with no copy; any other list by grouped broadcasts straight into
+        its tensors.
+        """
 
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:
             ins = per_device(tensors, "input_tensor_list")
@@ -180,6 +185,10 @@ class NCCLGroup(NcclPointToPoint):
 
             def plan(i: int, comm: Any, stream: int) -> list[Step]:
                 me, b = self.rank * n + i, ins[i]
+                if consecutive(outs[i]):
+                    return [
+                        (comm.allGather, (b.ptr, outs[i][0].ptr, b.count, b.nccl_dtype, stream))
+                    ]
                 return [
                     (
                         comm.broadcast,
@@ -201,9 +210,11 @@ class NCCLGroup(NcclPointToPoint):
         tensor_lists: Sequence[Sequence[Any]],
         options: ReduceScatterOptions,
     ) -> Work:
-        """Reduce element j of every list into NCCL rank j's tensor, as grouped reduces.
+        """Reduce element j of every list into NCCL rank j's tensor.
 
-        The input lists are only read.
+        A list of consecutive views of one buffer, in rank order, is reduced by one
+        NCCL reduce-scatter, with no copy; any other list by grouped reduces. The input
+        lists are only read.
         """
 
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:
@@ -220,6 +231,14 @@ class NCCLGroup(NcclPointToPoint):
 
             def plan(i: int, comm: Any, stream: int) -> list[Step]:
                 out = outs[i]
+                if consecutive(ins[i]):
+                    first = ins[i][0].ptr
+                    return [
+                        (
+                            comm.reduceScatter,
+                            (first, out.ptr, out.count, out.nccl_dtype, op, stream),
+                        )
+                    ]
                 return [
                     (comm.reduce, (source.ptr, out.ptr, out.count, out.nccl_dtype, op, j, stream))
                     for j, source in enumerate(ins[i])
