@@ -267,8 +267,10 @@ def test_retire_aborts_every_communicator_and_never_destroys_one(
     """A shrink or grow retires the old group while a peer may be dead: no ncclCommDestroy."""
     r = ranks(2)
     _warm(r)
+    assert all(group._launches for group in r.groups)
     for group in r.groups:
         group.retire("replaced by a shrink")
+    assert not any(group._launches for group in r.groups), "a retired group kept its launches"
     for rank in range(2):
         assert _aborted_comms(r, rank) == [("abort", rank)], r.cupys[rank].trace.named("destroy")
     with pytest.raises(CollectiveError, match=r"replaced by a shrink|destroyed"):
