@@ -276,12 +276,15 @@ class NCCLGroupBase(BaseGroup):
             except RuntimeError as exc:
                 return self._fail(check.oldest(), self.timeout, exc)
             if found is not None:
-                error = CollectiveError(
-                    f"group {self.group_name!r}, found on rank {self.rank}: {found}; NCCL "
-                    "moved nothing right, and the group is unusable"
-                )
-                return self._fail(found.split(":")[0], self.timeout, error)
+                return self._fail(found.split(":")[0], self.timeout, self._mismatched(found))
         return None
+
+    def _mismatched(self, found: str) -> CollectiveError:
+        """Return the error of a mismatch the signature check ``found``."""
+        return CollectiveError(
+            f"group {self.group_name!r}, found on rank {self.rank}: {found}; NCCL "
+            "moved nothing right, and the group is unusable"
+        )
 
     def _check_events(self) -> list[Any]:
         """Return the events of the signature checks not yet read."""

@@ -20,7 +20,7 @@ from collective.work import OnceWork
 _NON_BLOCKING = 1
 """``cudaStreamNonBlocking``: the stream does not synchronise with the legacy default stream."""
 
-_NOT_READY = 600
+NOT_READY = 600
 """``cudaErrorNotReady``: what ``cudaEventQuery`` returns while the event is pending."""
 
 _POLL_S = (0.0005, 0.01)
@@ -92,7 +92,7 @@ def events_done(cuda: Any, events: Sequence[Any]) -> bool:
     """
     for event in events:
         status = cuda.runtime.eventQuery(event.ptr)
-        if status == _NOT_READY:
+        if status == NOT_READY:
             return False
         if status != 0:
             raise cuda.runtime.CUDARuntimeError(status)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from collective import signature
-from collective.groups.nccl.cuda import events_done
+from collective.groups.nccl.cuda import NOT_READY
 from collective.types import ArgumentValueError, CollectiveError, ReduceOp
 
 CHECK_ENV = "COLLECTIVE_NCCL_CHECK"
@@ -139,10 +139,14 @@ class Check:
 
         """
         pending = self._pending
+        runtime = self._cuda.runtime
         while pending:
             slot, op = pending[0]
-            if not events_done(self._cuda, [self._events[slot]]):
-                return None
+            status = runtime.eventQuery(self._events[slot].ptr)
+            if status:
+                if status == NOT_READY:
+                    return None
+                raise runtime.CUDARuntimeError(status)
             pending.popleft()
             base = slot * 2 * WORDS
             if self._words[base] != -self._words[base + WORDS]:

@@ -135,18 +135,21 @@ class NcclRunning(NCCLGroupBase):
         return launch
 
     def _run(self, launch: Launch, timeout: timedelta) -> None:
-        """Issue a blocking op's launch on the caller's streams; the watchdog watches it."""
+        """Issue a blocking op's launch on the caller's streams; the watchdog watches it.
+
+        Outside capture, the op's signature check reads the last finished result of
+        its ring first, then goes just ahead of the op.
+        """
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
             capturing = self._watch.capturing(launch.streams[0])
-            if self._checks and not capturing:
-                found = self._mismatch()
-                if found is not None:
-                    raise found
             signed, single = launch.signed, launch.single
             try:
                 if signed is not None and not capturing:
+                    found = signed.check.read()
+                    if found is not None:
+                        raise self._mismatched(found)
                     signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
                 if single is not None:
                     single[0](*single[1])
