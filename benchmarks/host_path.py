@@ -118,10 +118,7 @@ def _bare_cupy() -> Any:
     def zeros(shape: Any, dtype: Any) -> DeviceArray:
         return DeviceArray((shape,) if isinstance(shape, int) else shape, np.dtype(dtype).name)
 
-    def asarray(host: np.ndarray) -> DeviceArray:
-        return DeviceArray(host.shape, host.dtype.name)
-
-    return SimpleNamespace(cuda=cuda, int32=np.int32, zeros=zeros, asarray=asarray)
+    return SimpleNamespace(cuda=cuda, int32=np.int32, zeros=zeros, empty=zeros)
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from collective.types import (
     ReduceOp,
     ReduceOptions,
 )
-from tests.nccl_binding import D2H, NOT_READY, ContractCupy, DeviceArray, Entry, real_nccl
+from tests.nccl_binding import D2H, H2D, NOT_READY, ContractCupy, DeviceArray, Entry, real_nccl
 from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
 
 pytestmark = CONTRACT
@@ -74,7 +74,7 @@ def hold_checks(r: Ranks, others: int = 0) -> set[int]:
 def play_nccl(r: Ranks, played: set[int], k: int = -1) -> np.ndarray:
     """Reduce the k-th check of every rank as NCCL would; write it where each copy lands."""
     made = [checks(c)[k] for c in r.cupys]
-    sent = [c.uploaded[call.args[0]] for c, (call, _, _) in zip(r.cupys, made, strict=True)]
+    sent = [c.uploaded(call.args[0]) for c, (call, _, _) in zip(r.cupys, made, strict=True)]
     reduced = np.max(np.stack(sent), axis=0).astype(np.int64)
     for _, copy, event in made:
         ctypes.memmove(copy.args[0], reduced.ctypes.data, reduced.nbytes)
@@ -90,7 +90,10 @@ def test_each_rank_hands_nccl_its_signature_words_ahead_of_the_op(
     r.run(lambda rank, g: g.reduce([xs[rank]], ReduceOptions(ReduceOp.MAX, root_rank=2)))
     for rank, cupy in enumerate(r.cupys):
         ((call, copy, event),) = checks(cupy)
-        words = cupy.uploaded[call.args[0]]
+        words = cupy.uploaded(call.args[0])
+        (upload,) = [e for e in cupy.trace.named("memcpyAsync") if e.args[0] == call.args[0]]
+        assert upload.args[4] == caller_stream(0), "the words go up on the op's own stream"
+        assert cupy.trace.entries.index(upload) < cupy.trace.entries.index(call)
         fields = signature.of_call("reduce", 0, xs[rank], 2, ReduceOp.MAX)[: mismatch.FIELDS]
         assert words[1 : mismatch.WORDS].tolist() == fields
         assert (words[mismatch.WORDS :] == -words[: mismatch.WORDS]).all()
@@ -101,7 +104,7 @@ def test_each_rank_hands_nccl_its_signature_words_ahead_of_the_op(
         assert event.name == "eventRecord" and event.args[1] == stream
         names = [e.name for e in cupy.trace.entries]
         assert names.index("memcpyAsync") < len(names) - 1 - names[::-1].index("reduce")
-    sent = [c.uploaded[checks(c)[0][0].args[0]] for c in r.cupys]
+    sent = [c.uploaded(checks(c)[0][0].args[0]) for c in r.cupys]
     assert all((s == sent[0]).all() for s in sent), "ranks that agree must send the same words"
 
 
@@ -191,4 +194,5 @@ def test_the_check_can_be_turned_off(
     monkeypatch.setenv(mismatch.CHECK_ENV, "0")
     r = ranks(1)
     r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
-    assert checks(r.cupys[0]) == [] and not r.cupys[0].uploaded
+    assert checks(r.cupys[0]) == []
+    assert not [e for e in r.cupys[0].trace.named("memcpyAsync") if e.args[3] == H2D]

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from collective.groups.base import BaseGroup
 from collective.groups.nccl import mismatch
 from collective.groups.nccl.comm import (
@@ -61,6 +63,9 @@ Communicators = Callable[[timedelta], list[Any]]
 
 Builder = Callable[[], tuple[Sequence[Any], Communicators, Plan]]
 """Checks an op's buffers once; returns its anchors, communicators and plan."""
+
+_H2D = 1
+"""``cudaMemcpyHostToDevice``."""
 
 _ABORT_GRACE = timedelta(seconds=0.5)
 """How long ``abort`` lets kernels already launched finish before it aborts the communicators."""
@@ -255,15 +260,32 @@ class NCCLGroupBase(BaseGroup):
     # --- launching ----------------------------------------------------------------------
 
     def _signed(
-        self, op: str, x: Any, device: int, comm: Any, root: int, reduce_op: ReduceOp | None
+        self,
+        op: str,
+        x: Any,
+        device: int,
+        comm: Any,
+        stream: int,
+        root: int,
+        reduce_op: ReduceOp | None,
     ) -> Signed:
-        """Return the signature check of ``op`` on ``x``: its words, put on GPU ``device``."""
+        """Return the signature check of ``op`` on ``x``, its words put on GPU ``device``.
+
+        The words go up from pinned memory on ``stream``, the op's own, so they are in
+        place when the check's allreduce reads them: no host synchronisation, and no
+        ordering against any other stream.
+        """
         check = self._checks.get(device)
         if check is None:
             check = self._checks[device] = mismatch.Check(self._cupy, device)
+        words = mismatch.words(op, x, root, reduce_op)
+        pinned = self._cuda.alloc_pinned_memory(words.nbytes)
+        np.frombuffer(pinned, dtype=np.int64, count=words.size)[:] = words
         with self._cuda.Device(device):
-            words = self._cupy.asarray(mismatch.words(op, x, root, reduce_op))
-        return Signed(check, words, int(words.data.ptr), comm)
+            on_gpu = self._cupy.empty(words.size, dtype=np.int64)
+        ptr = int(on_gpu.data.ptr)
+        self._cuda.runtime.memcpyAsync(ptr, int(pinned.ptr), words.nbytes, _H2D, stream)
+        return Signed(check, (on_gpu, pinned), ptr, comm)
 
     def _mismatch(self) -> CollectiveError | None:
         """Read the finished signature checks (op lock held); fail the group on a mismatch.

@@ -37,7 +37,7 @@ class Signed:
 
     check: Check
     words: Any
-    """The GPU array of the op's signature words, kept alive with the launch."""
+    """The op's signature words on the GPU and in pinned memory, kept alive with the launch."""
     ptr: int
     comm: Any
 

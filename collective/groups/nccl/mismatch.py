@@ -5,7 +5,8 @@ that differs mixes data silently, or hangs. So, just ahead of each collective on
 one GPU, every rank allreduces (MAX) its op's signature words ``w`` (see
 ``signature``, the encoding every transport compares) together with ``-w``: all
 ranks agree on a word if and only if ``max(w) == -max(-w)``. The words of a launch
-are put on the GPU once, when the launch is built; each call issues the small
+are put on the GPU once, when the launch is built, by a copy from pinned memory on
+the op's stream; each call issues the small
 allreduce into the next slot of a ring on the GPU, copies the slot to pinned host
 memory and records the slot's event, all on the op's stream: three calls, no
 wait. The result is read once the event has completed: at the group's next op,
@@ -98,7 +99,7 @@ class Check:
         self._cuda = cuda
         size = SLOTS * 2 * WORDS
         with cuda.Device(device):
-            self._ring = cupy.zeros(size, dtype=np.int64)
+            self._ring = cupy.empty(size, dtype=np.int64)  # no kernel: written before read
             self._events = [cuda.Event(disable_timing=True) for _ in range(SLOTS)]
         self._pinned = cuda.alloc_pinned_memory(size * 8)
         self._host = np.frombuffer(self._pinned, dtype=np.int64, count=size)

@@ -122,7 +122,8 @@ class NcclRunning(NCCLGroupBase):
                 )
                 check = None
                 if signed is not None and self._checking and len(devices) == 1 and not capturing:
-                    check = self._signed(op, anchors[0], devices[0], comms[0], *signed)
+                    first = (anchors[0], devices[0], comms[0], streams[0])
+                    check = self._signed(op, *first, *signed)
                 launch = build(op, devices, comms, streams, plan, markers, check)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
