@@ -82,6 +82,7 @@ def capture_on_rank(context: RankContext, replays: int) -> list[list[float]]:
             group.allreduce([static], AllReduceOptions())
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
+    time.sleep(0.1)  # the watchdog sees the warm-up finish: it queries nothing during capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         group.allreduce([static], AllReduceOptions())
