@@ -196,3 +196,11 @@ def test_the_check_can_be_turned_off(
     r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
     assert checks(r.cupys[0]) == []
     assert not [e for e in r.cupys[0].trace.named("memcpyAsync") if e.args[3] == H2D]
+
+
+def test_a_checked_group_skips_the_check_it_makes_itself(ranks: Callable[..., Ranks]) -> None:
+    """``check_args=True`` compares every call before it: no second check on the GPU."""
+    r = ranks(1)
+    r.groups[0].skip_agreement()
+    r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
+    assert checks(r.cupys[0]) == []
