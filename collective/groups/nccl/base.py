@@ -1,4 +1,4 @@
-"""How an NCCLGroup runs its ops: communicators, streams, launches, abort and destroy.
+"""The base of NCCLGroup: communicators, streams, failure, abort and destroy.
 
 Communicators are made on first use and cached:
 
