@@ -4,7 +4,7 @@ Drives the public functions (``col.allreduce(...)``) on an NCCL group built on t
 contract suite's stand-ins (``tests/nccl_binding.py``), with a communicator and a
 CUDA runtime that do nothing, for torch-like and cupy-like buffers, blocking and
 async; and the shared-memory and Gloo paths of a CPU group for an 8-byte allreduce
-at 2 ranks (ranks as threads). Each row gives the microseconds per call, those of a
+at 2 ranks (rank 1 in a process of its own). Each row gives the microseconds per call, those of a
 bare loop that calls the communicator directly (NCCL rows; Gloo: torch's
 ``ProcessGroupGloo``), and the number of Python calls one op makes, counted with
 ``sys.setprofile`` (the stand-ins' own frames left out).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -209,62 +208,53 @@ def nccl_rows(iters: int) -> list[dict[str, Any]]:
     return rows
 
 
-def cpu_row(transport: CpuTransport, iters: int) -> dict[str, Any]:
-    """Measure an 8-byte ``col.allreduce`` at 2 ranks (threads) on one CPU transport.
-
-    Rank 0 calls the public function; rank 1, in a thread, mirrors each call on its
-    group, as ``col.allreduce`` would (its group cannot be registered under the same
-    name in this process).
-    """
+def _cpu_peer(port: int, name: str, transport: CpuTransport, calls: int) -> None:
+    """Rank 1 of ``cpu_row``, in a process of its own: ``calls`` 8-byte allreduces."""
     from collective.groups.cpu import CpuGroup
 
-    master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
-    client = dist.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=30))
-    stores = [TCPRendezvousStore(s) for s in (master, client)]
-    name = f"host-path-{transport.value}-{uuid.uuid4().hex[:8]}"
-    groups: list[Any] = [None, None]
+    store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60)))
     options = GroupOptions(cpu_transport=transport)
+    group = CpuGroup(2, 1, name, store, timedelta(seconds=60), options=options)
+    y = np.ones(2, dtype=np.float32)
+    for _ in range(calls):
+        if not group.allreduce_now(y, "sum"):
+            group.allreduce([y], AllReduceOptions()).wait()
+    group.destroy_group()
 
-    def build(rank: int) -> None:
-        timeout = timedelta(seconds=30)
-        groups[rank] = CpuGroup(2, rank, name, stores[rank], timeout, options=options)
 
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    lifecycle.create_group(name, lambda: (groups[0], stores[0]))
-    x, y = np.ones(2, dtype=np.float32), np.ones(2, dtype=np.float32)
-    peer, stop = groups[1], threading.Event()
-    counts = {"mine": 0, "peer": 0}
+def cpu_row(transport: CpuTransport, iters: int) -> dict[str, Any]:
+    """Measure an 8-byte ``col.allreduce`` at 2 ranks on one CPU transport.
 
-    def mirror() -> None:
-        while counts["peer"] < counts["mine"] or not stop.is_set():
-            if counts["peer"] < counts["mine"]:
-                if not peer.allreduce_now(y, "sum"):
-                    peer.allreduce([y], AllReduceOptions()).wait()
-                counts["peer"] += 1
-            else:
-                time.sleep(0)
+    Rank 0 calls the public function in this process; rank 1, a spawned process,
+    makes the same number of calls on its group, as ``col.allreduce`` would.
+    """
+    import multiprocessing
 
-    def op() -> None:
-        counts["mine"] += 1
-        col.allreduce(x, name)
+    from collective.groups.cpu import CpuGroup
 
-    helper = threading.Thread(target=mirror, daemon=True)
-    helper.start()
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60))
+    name = f"host-path-{transport.value}-{uuid.uuid4().hex[:8]}"
+    tries, calls = 5, 1 + 5 + 3 * iters
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_cpu_peer, args=(master.port, name, transport, calls), daemon=True
+    )
+    peer.start()
+    options = GroupOptions(cpu_transport=transport)
+    store = TCPRendezvousStore(master)
+    group = CpuGroup(2, 0, name, store, timedelta(seconds=60), options=options)
+    lifecycle.create_group(name, lambda: (group, store))
+    x = np.ones(2, dtype=np.float32)
     try:
-        op()
-        calls = python_calls(op)
-        us = per_call_us(op, iters)
+        col.allreduce(x, name)
+        count = python_calls(lambda: col.allreduce(x, name), tries)
+        us = per_call_us(lambda: col.allreduce(x, name), iters)
     finally:
-        stop.set()
-        helper.join(60)
         col.destroy_collective_group(name)
-        peer.destroy_group()
+        peer.join(60)
+        if peer.is_alive():
+            peer.kill()
     path = f"{transport.value}/allreduce"
-    return {"path": path, "us_per_call": us, "bare_us_per_call": None, "python_calls": calls}
+    return {"path": path, "us_per_call": us, "bare_us_per_call": None, "python_calls": count}
 
 
 def main(argv: list[str] | None = None) -> int:
