@@ -23,6 +23,7 @@ thread, so that tests can check what the backend asked for, value for value.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import time
@@ -45,8 +46,17 @@ UNHANDLED_CUDA_ERROR = 1
 NOT_READY = 600
 """``cudaErrorNotReady``."""
 
-BFLOAT16 = SimpleNamespace(name="bfloat16", itemsize=2, str="<V2")
-"""bfloat16 as a dtype: cupy has none, and torch's CUDA tensors cannot be made here."""
+
+@dataclass(frozen=True)
+class _Bfloat16:
+    name: str = "bfloat16"
+    itemsize: int = 2
+    str: str = "<V2"
+
+
+BFLOAT16 = _Bfloat16()
+"""bfloat16 as a dtype (hashable, as every dtype is): cupy has none, and torch's CUDA
+tensors cannot be made here."""
 
 _handles = itertools.count(0x5E00, 0x10)
 _addresses = itertools.count(0x7F00_0000_0000, 1 << 20)
@@ -83,6 +93,8 @@ class Trace:
     """Returns whether the real NCCL error of this call is raised rather than swallowed."""
     pause_s: float = 0.0
     """How long each communicator call sleeps, letting other threads run in between."""
+    capturing: set[int] = field(default_factory=set)
+    """The stream handles that ``streamIsCapturing`` reports as capturing a CUDA graph."""
 
     def add(self, entry: Entry) -> Entry:
         with self.lock:
@@ -175,6 +187,10 @@ class CheckedRuntime:
 
     def memcpyAsync(self, *args: Any) -> None:  # noqa: N802
         self._call("memcpyAsync", args)
+
+    def streamIsCapturing(self, *args: Any) -> int:  # noqa: N802
+        self._call("streamIsCapturing", args)
+        return 1 if args[0] in self._trace.capturing else 0
 
     def eventQuery(self, *args: Any) -> int:  # noqa: N802
         real_status = int(real_runtime.eventQuery(*args))
@@ -309,6 +325,12 @@ class DeviceArray:
         self.device = SimpleNamespace(id=device)
         self.flags = SimpleNamespace(c_contiguous=True)
         self.ptr = next(_addresses)
+        self.data = SimpleNamespace(ptr=self.ptr, device_id=device)
+        """cupy's ``MemoryPointer`` of the array: its address and device."""
+        self.strides = tuple(
+            int(np.prod(self.shape[i + 1 :], dtype=np.int64)) * self.dtype.itemsize
+            for i in range(len(self.shape))
+        )
 
     @property
     def size(self) -> int:
@@ -318,6 +340,14 @@ class DeviceArray:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         data = (self.ptr, False)
         return {"shape": self.shape, "typestr": self.dtype.str, "data": data, "version": 3}
+
+
+class Pinned(bytearray):
+    """``cupy.cuda.alloc_pinned_memory``'s memory: host bytes with their address, ``ptr``."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.ptr = ctypes.addressof((ctypes.c_char * size).from_buffer(self))
 
 
 class ContractCupy:
@@ -333,6 +363,7 @@ class ContractCupy:
             runtime=CheckedRuntime(self.trace, devices),
             Device=lambda device=None: FakeDevice(devices, device),
             Event=FakeEvent,
+            alloc_pinned_memory=Pinned,
         )
         self._devices = devices
 
@@ -340,9 +371,40 @@ class ContractCupy:
         dims = (shape,) if isinstance(shape, int) else shape
         return DeviceArray(dims, np.dtype(dtype).name, self._devices.current() or 0)
 
+    def empty(self, shape: int | tuple[int, ...], dtype: Any) -> DeviceArray:
+        return self.zeros(shape, dtype)
+
+    def uploaded(self, ptr: int) -> np.ndarray:
+        """Return the int64 words that the copy to GPU address ``ptr`` took from the host."""
+        (copy,) = [e for e in self.trace.named("memcpyAsync") if e.args[0] == ptr]
+        assert copy.args[3] == H2D, copy
+        size = copy.args[2]
+        return np.frombuffer((ctypes.c_char * size).from_address(copy.args[1]), np.int64).copy()
+
     def streams(self) -> dict[int, int]:
         """Return the handle of the stream made on each device."""
         return dict(self.cuda.runtime.streams)
+
+
+H2D, D2H = 1, 2
+"""``cudaMemcpyHostToDevice`` and ``cudaMemcpyDeviceToHost``: only the signature check
+copies between host and GPU (its words up, once per launch, and each result down)."""
+
+
+def without_checks(entries: list[Entry]) -> list[Entry]:
+    """Return ``entries`` less the signature checks: the upload of a launch's words, and
+    each check's allreduce, its copy to the host and its event.
+
+    Only a check copies from the GPU to the host, right after its allreduce.
+    """
+    entries = [e for e in entries if not (e.name == "memcpyAsync" and e.args[3] == H2D)]
+    kept = list(entries)
+    for i, e in enumerate(entries):
+        if e.name == "memcpyAsync" and e.args[3] == D2H:
+            start = max(j for j in range(i) if entries[j].name == "allReduce")
+            drop = {start, i, i + 1}
+            kept = [k for k in kept if k not in [entries[j] for j in drop]]
+    return kept
 
 
 def group_blocks(entries: list[Entry]) -> Iterator[list[Entry]]:

@@ -10,6 +10,7 @@ IDs as they would in separate processes.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -96,6 +97,13 @@ class Ranks:
         if errors:
             raise next(iter(errors.values()))
         return [results[r] for r in chosen]
+
+    def settle(self) -> None:
+        """Wait until the watchdog has seen every op and check of every rank finish."""
+        deadline = time.monotonic() + JOIN_S
+        while any(g._watch.pending() for g in self.groups):
+            assert time.monotonic() < deadline, "the watchdog never saw the ops finish"
+            time.sleep(0.005)
 
     def clear(self) -> None:
         """Forget every rank's calls so far."""

@@ -332,3 +332,28 @@ def test_rdt_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
         assert row["wrong"] == 0, row
         assert row["status"] == "ok" or row["impl"] == "gloo", row
     assert {g["verdict"] for g in data["goals"]} == {"not measured"}, "no goal point is tiny"
+
+
+def test_host_path_benchmark_writes_a_row_per_path(tmp_path: Path) -> None:
+    """``benchmarks.host_path`` runs every path and writes its rows; the speed is not checked."""
+    out = tmp_path / "host_path.json"
+    command = [sys.executable, "-m", "benchmarks.host_path", "--iters", "50"]
+    command += ["--cpu-iters", "20", "--json", str(out)]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    paths = [row["path"] for row in rows]
+    assert paths == [
+        "nccl/torch/blocking",
+        "nccl/torch/async",
+        "nccl/cupy/blocking",
+        "nccl/cupy/async",
+        "shm/allreduce",
+        "gloo/allreduce",
+    ]
+    for row in rows:
+        assert set(row) == {"path", "us_per_call", "bare_us_per_call", "python_calls"}
+        assert row["us_per_call"] > 0 and row["python_calls"] > 0
+        assert (row["bare_us_per_call"] is None) == (not row["path"].startswith("nccl/"))

@@ -59,6 +59,8 @@ def test_run_sh_without_gpu_or_ray_says_why_and_succeeds(
         "bench.json",
         "bench.log",
         "bench.txt",
+        "bench_nocheck.log",
+        "bench_nocheck.txt",
         "env.txt",
         "pytest.log",
         "summary.md",
@@ -75,7 +77,7 @@ def test_run_sh_without_gpu_or_ray_says_why_and_succeeds(
 
 
 def test_gpu_suite_collects_every_case() -> None:
-    assert len(cases.op_cases()) == 4 * 15 + 7 + 7 * 15 + 2
+    assert len(cases.op_cases()) == 4 * 15 + 7 + 9 * 15 + 2
     assert ("allreduce_avg", "torch", "bfloat16") in cases.op_cases()
     assert ("allreduce_avg", "torch", "int8") not in cases.op_cases()
     assert not any(kind == "cupy" and dtype == "bfloat16" for _, kind, dtype in cases.op_cases())

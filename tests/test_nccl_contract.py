@@ -12,6 +12,7 @@ the buffers' own addresses, sizes and dtypes and from cupy's NCCL constants.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +40,7 @@ from tests.nccl_binding import (
     Entry,
     group_blocks,
     real_nccl,
+    without_checks,
 )
 from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
 
@@ -72,20 +74,37 @@ def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
 
 
 def op_calls(entries: list[Entry]) -> list[tuple[str, tuple[Any, ...]]]:
-    """Return the NCCL calls and copies of the one group call in ``entries``."""
+    """Return the NCCL calls and copies of the one op in ``entries``.
+
+    An op of one NCCL call makes it alone; an op of several makes them in one NCCL
+    group call, and nothing outside it.
+    """
+    entries = without_checks(entries)
+    calls = [e for e in entries if e.name in CALLS]
     blocks = [b for b in group_blocks(entries) if any(e.name in CALLS for e in b)]
-    assert len(blocks) == 1, f"expected one NCCL group call, got {len(blocks)}"
-    return [(e.name, e.args) for e in blocks[0] if e.name in CALLS]
+    if len(calls) == 1 and calls[0].comm is not None:
+        assert not blocks, "a single NCCL call needs no NCCL group call"
+    else:
+        assert len(blocks) == 1, f"expected one NCCL group call, got {len(blocks)}"
+        assert [e for e in blocks[0] if e.name in CALLS] == calls
+    return [(e.name, e.args) for e in calls]
 
 
-def check_devices(ranks: Ranks) -> None:
-    """Assert that every call ran on its communicator's device and that device's stream."""
+def check_devices(ranks: Ranks, async_op: bool = False) -> None:
+    """Assert that every call ran on its communicator's device and that device's stream.
+
+    A blocking op's stream is the caller's current one, an async op's the group's
+    comm stream. A lone NCCL call may be made with any device current: NCCL runs it
+    on its communicator's device, as NCCL's own multi-device example does.
+    """
     for cupy in ranks.cupys:
         streams = cupy.streams()
         for e in cupy.trace.named(*CALLS):
             device = e.comm.device if e.comm is not None else e.device
-            assert e.device == device, f"{e.name} issued on GPU {e.device}, its comm is on {device}"
-            assert e.args[-1] == streams[device or 0], f"{e.name} not on GPU {device}'s stream"
+            lone = e.comm is not None and e.device is None
+            assert lone or e.device == device, f"{e.name} on GPU {e.device}, its comm on {device}"
+            stream = streams[device or 0] if async_op else caller_stream(device or 0)
+            assert e.args[-1] == stream, f"{e.name} not on GPU {device}'s stream"
 
 
 def bufs(n: int, dtype: str, counts: list[int] | None = None) -> list[DeviceArray]:
@@ -103,7 +122,7 @@ def test_allreduce_passes_buffer_count_dtype_and_op(
     r = ranks(1)
     x = DeviceArray(SHAPE, dtype)
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions(op)))
-    stream = r.cupys[0].streams()[0]
+    stream = caller_stream(0)
     expected = ("allReduce", (x.ptr, x.ptr, COUNT, nccl_dtype(dtype), REDUCTIONS[op], stream))
     assert op_calls(r.cupys[0].trace.entries) == [expected]
     check_devices(r)
@@ -127,7 +146,7 @@ def _issue(op: str, rank: int, g: Any, dtype: str) -> list[tuple[str, tuple[Any,
     """Issue ``op`` on this rank with fresh buffers; return the calls it must make."""
     n, d = g.world_size, nccl_dtype(dtype)
     x, outs, ins = DeviceArray(SHAPE, dtype), bufs(n, dtype), bufs(n, dtype)
-    stream = g._streams[0]
+    stream = caller_stream(0)
     nbytes = x.size * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
     if op == "reduce":
         g.reduce([x], ReduceOptions(ReduceOp.MAX, root_rank=1))
@@ -199,36 +218,61 @@ def test_each_op_makes_its_nccl_calls_on_every_rank(
     check_devices(r)
 
 
-@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
-def test_an_op_follows_the_callers_stream_and_the_caller_follows_it(
-    ranks: Callable[..., Ranks], async_op: bool
+def test_a_blocking_op_is_one_nccl_call_on_the_callers_stream_and_one_marker(
+    ranks: Callable[..., Ranks],
 ) -> None:
+    """No stream, event, group call or device switch of ours: what NCCL's own API costs."""
     r = ranks(1)
     x = DeviceArray(SHAPE, "float32")
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
+    for _ in range(3):
+        r.clear()
+        caller = r.run(lambda _, g: (g.allreduce([x], AllReduceOptions()), threading.get_ident()))
+        entries = [e for e in r.cupys[0].trace.entries if e.thread == caller[0][1]]
+        trace = [(e.name, e.args, e.device) for e in without_checks(entries)]
+        capture, *reads, call, marker = trace
+        assert [e[0] for e in reads] in ([], ["eventQuery"])  # the last op's check, if unread
+        assert capture == ("streamIsCapturing", (caller_stream(0),), None)
+        assert call == ("allReduce", (x.ptr, x.ptr, COUNT, nccl_dtype("float32"), 0, 0xCA00), None)
+        assert marker[0] == "eventRecord" and marker[1][1] == caller_stream(0)
+        check = [e.name for e in entries if e not in without_checks(entries)]
+        assert check == ["allReduce", "memcpyAsync", "eventRecord"]
+    assert not r.cupys[0].trace.named("streamCreateWithFlags")
+
+
+def test_an_async_op_follows_the_callers_stream_and_the_caller_follows_it_on_wait(
+    ranks: Callable[..., Ranks],
+) -> None:
+    r = ranks(1)
+    x = DeviceArray(SHAPE, "float32")
+    r.run(lambda _, g: g.allreduce([x], AllReduceOptions(async_op=True)).wait())
     r.clear()
-    work = r.run(lambda _, g: g.allreduce([x], AllReduceOptions(async_op=async_op)))[0]
-    if async_op:
-        work.wait()
-    trace = r.cupys[0].trace.entries
-    names = [e.name for e in trace if e.name != "eventQuery" and e.name != "check_async_error"]
+    work = r.run(lambda _, g: g.allreduce([x], AllReduceOptions(async_op=True)))[0]
+    work.wait()
+    trace = without_checks(r.cupys[0].trace.entries)
+    names = [e.name for e in trace if e.name not in ("eventQuery", "check_async_error")]
     assert names == [
         "eventRecord",
         "streamWaitEvent",
-        "groupStart",
         "allReduce",
-        "groupEnd",
+        "eventRecord",
+        "streamIsCapturing",
         "eventRecord",
         "streamWaitEvent",
     ]
     caller, stream = caller_stream(0), r.cupys[0].streams()[0]
-    ready, follow, _, _, _, done, after = [e for e in trace if e.name in names]
+    ready, follow, _, done, _, marker, after = [e for e in trace if e.name in names]
     assert ready.args[1] == caller and follow.args[:2] == (stream, ready.args[0])
     assert done.args[1] == stream and after.args[:2] == (caller, done.args[0])
-    if async_op:  # the wait polled the op's event before ordering the caller after it
-        between = trace[trace.index(done) : trace.index(after)]
-        polled = [e.args[0] for e in between if e.name == "eventQuery"]
-        assert polled[-1:] == [done.args[0]]
+    assert marker.args[1] == stream and marker.args[0] not in (ready.args[0], done.args[0])
+    between = trace[trace.index(done) : trace.index(after)]
+    me = threading.get_ident()
+    polled = [e.args[0] for e in between if e.name == "eventQuery" and e.thread == me]
+    assert polled[:1] == [done.args[0]]  # the wait polled the op's event first
+    r.clear()  # the pool hands the same two events out again
+    r.run(lambda _, g: g.allreduce([x], AllReduceOptions(async_op=True)))[0].wait()
+    again = [e for e in without_checks(r.cupys[0].trace.entries) if e.name == "eventRecord"]
+    assert {e.args[0] for e in again} == {ready.args[0], done.args[0], marker.args[0]}
 
 
 def test_send_and_recv_use_a_pair_communicator_and_n_elements(
@@ -248,7 +292,7 @@ def test_send_and_recv_use_a_pair_communicator_and_n_elements(
     sends = r.cupys[0].trace.named("NcclCommunicator", "send")
     recvs = r.cupys[1].trace.named("NcclCommunicator", "recv")
     uid = r.cupys[0].trace.named("get_unique_id")[0].args[0]
-    s0, s1 = r.cupys[0].streams()[0], r.cupys[1].streams()[0]
+    s0 = s1 = caller_stream(0)
     assert [(e.name, e.args) for e in sends] == [
         ("NcclCommunicator", (2, uid, 0)),
         ("send", (x[0].ptr, COUNT, d, 1, s0)),
@@ -272,11 +316,10 @@ def test_a_rank_driving_two_gpus_holds_nccl_ranks_2r_and_2r_plus_1(
             (4, 2 * rank, 0),
             (4, 2 * rank + 1, 1),
         ]
-        streams = cupy.streams()
-        assert sorted(streams) == [0, 1] and streams[0] != streams[1]
+        assert not cupy.streams()  # each GPU's calls run on the caller's stream there
         calls = [(e.args, e.device) for e in cupy.trace.named("allReduce")]
         assert calls == [
-            ((x.ptr, x.ptr, COUNT, nccl_dtype("float32"), 0, streams[i]), i)
+            ((x.ptr, x.ptr, COUNT, nccl_dtype("float32"), 0, caller_stream(i)), i)
             for i, x in enumerate(xs[rank])
         ]
     check_devices(r)
@@ -296,7 +339,7 @@ def test_multigpu_functions_with_two_gpus(ranks: Callable[..., Ranks]) -> None:
             return op_calls(entries)
 
         r.run(lambda *_: col.allreduce_multigpu(a, name, op="max"))
-        s, d = r.cupys[0].streams(), nccl_dtype("float64")
+        s, d = [caller_stream(0), caller_stream(1)], nccl_dtype("float64")
         assert calls() == [
             ("allReduce", (x.ptr, x.ptr, COUNT, d, 2, s[i])) for i, x in enumerate(a)
         ]
@@ -329,7 +372,48 @@ def test_barrier_allreduces_one_int32_and_blocks_until_done(ranks: Callable[...,
     r = ranks(2)
     r.run(lambda _, g: g.barrier(BarrierOptions()))
     for cupy in r.cupys:
-        (call,) = cupy.trace.named("allReduce")
+        (call,) = [e for e in without_checks(cupy.trace.entries) if e.name == "allReduce"]
         assert call.args[2:5] == (1, nccl_dtype("int32"), real_nccl.NCCL_SUM)
-        done = [e for e in cupy.trace.named("eventRecord") if e.args[1] == cupy.streams()[0]]
-        assert [e.args[0] for e in cupy.trace.named("eventQuery")] == [done[-1].args[0]]
+        stream = cupy.streams()[0]
+        records = [e for e in without_checks(cupy.trace.entries) if e.name == "eventRecord"]
+        done, _marker = [e for e in records if e.args[1] == stream]
+        polled = [e.args[0] for e in cupy.trace.named("eventQuery") if e.thread == call.thread]
+        assert polled[:1] == [done.args[0]]  # then the signature check's, maybe
+
+
+def views(n: int, dtype: str) -> list[DeviceArray]:
+    """Return ``n`` consecutive chunks of one GPU buffer, as ``tensor.chunks`` makes them."""
+    chunks = bufs(n, dtype)
+    nbytes = COUNT * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
+    for j, chunk in enumerate(chunks):
+        chunk.ptr = chunk.data.ptr = chunks[0].ptr + j * nbytes
+    return chunks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int32"])
+def test_allgather_and_reducescatter_on_one_flat_buffer_are_one_nccl_call_each(
+    ranks: Callable[..., Ranks], dtype: str
+) -> None:
+    """No copy and no per-rank calls: the chunks of one buffer are NCCL's own layout."""
+    r = ranks(3)
+    d = nccl_dtype(dtype)
+    x = [DeviceArray(SHAPE, dtype) for _ in range(3)]
+    outs = [views(3, dtype) for _ in range(3)]
+    r.run(lambda rank, g: g.allgather([outs[rank]], [x[rank]], AllGatherOptions()))
+    for rank, cupy in enumerate(r.cupys):
+        assert op_calls(cupy.trace.entries) == [
+            ("allGather", (x[rank].ptr, outs[rank][0].ptr, COUNT, d, caller_stream(0)))
+        ]
+    r.clear()
+    summing = ReduceScatterOptions(ReduceOp.MIN)
+    r.run(lambda rank, g: g.reducescatter([x[rank]], [outs[rank]], summing))
+    for rank, cupy in enumerate(r.cupys):
+        op = REDUCTIONS[ReduceOp.MIN]
+        assert op_calls(cupy.trace.entries) == [
+            ("reduceScatter", (outs[rank][0].ptr, x[rank].ptr, COUNT, d, op, caller_stream(0)))
+        ]
+    check_devices(r)
+    r.clear()  # a list whose chunks are out of rank order keeps the per-rank calls
+    shuffled = [[o[1], o[0], o[2]] for o in outs]
+    r.run(lambda rank, g: g.allgather([shuffled[rank]], [x[rank]], AllGatherOptions()))
+    assert [name for name, _ in op_calls(r.cupys[0].trace.entries)] == ["broadcast"] * 3

@@ -49,8 +49,13 @@ def _x(device: int = 0) -> DeviceArray:
 
 
 def _warm(r: Ranks) -> None:
-    """Form every rank's communicators with one allreduce, then forget the calls."""
-    r.run(lambda _, g: g.allreduce([_x()], AllReduceOptions()))
+    """Form every rank's communicators with one allreduce, then forget the calls.
+
+    The allreduce is waited for, which reads its signature check, so that no check is
+    pending when a test makes the events fail.
+    """
+    r.run(lambda _, g: g.allreduce([_x()], AllReduceOptions(async_op=True)).wait())
+    r.settle()
     r.clear()
 
 
@@ -228,13 +233,13 @@ def test_destroy_destroys_each_communicator_and_a_later_group_reuses_its_streams
     ranks: Callable[..., Ranks],
 ) -> None:
     r = ranks(1)
-    r.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions())
+    r.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions(async_op=True)).wait()
     streams = r.cupys[0].streams()
     r.groups[0].destroy_group()
     assert _aborted_comms(r) == [("destroy", 0), ("destroy", 1)]
     again = ranks(1, cupys=r.cupys)
     again.clear()
-    again.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions())
+    again.groups[0].allreduce([_x(0), _x(1)], AllReduceOptions(async_op=True)).wait()
     assert not again.cupys[0].trace.named("streamCreateWithFlags")
     assert {e.args[-1] for e in again.cupys[0].trace.named("allReduce")} == set(streams.values())
 
@@ -252,7 +257,7 @@ def test_destroy_after_a_failure_aborts_and_never_hands_the_streams_on(
     r.cupys[0].trace.event_status = lambda handle, real_status: 0
     again = ranks(1, cupys=r.cupys)
     again.clear()
-    again.groups[0].allreduce([_x()], AllReduceOptions())
+    again.groups[0].allreduce([_x()], AllReduceOptions(async_op=True)).wait()
     assert again.cupys[0].trace.named("streamCreateWithFlags")
 
 
@@ -262,8 +267,10 @@ def test_retire_aborts_every_communicator_and_never_destroys_one(
     """A shrink or grow retires the old group while a peer may be dead: no ncclCommDestroy."""
     r = ranks(2)
     _warm(r)
+    assert all(group._launches for group in r.groups)
     for group in r.groups:
         group.retire("replaced by a shrink")
+    assert not any(group._launches for group in r.groups), "a retired group kept its launches"
     for rank in range(2):
         assert _aborted_comms(r, rank) == [("abort", rank)], r.cupys[rank].trace.named("destroy")
     with pytest.raises(CollectiveError, match=r"replaced by a shrink|destroyed"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,13 +99,43 @@ def current_stream(x: Any) -> int:
     That is torch's current stream for a torch tensor and cupy's for a cupy array.
     """
     if is_torch(x):
+        raw = _torch_raw_stream()
+        if raw is not None:
+            return int(raw(x.get_device()))
         import torch
 
         return int(torch.cuda.current_stream(x.device).cuda_stream)
-    with x.device:
-        import cupy
+    import cupy
 
-        return int(cupy.cuda.get_current_stream().ptr)
+    return int(cupy.cuda.get_current_stream(x.device.id).ptr)
+
+
+def _torch_raw_stream() -> Any:
+    """Return torch's ``_cuda_getCurrentRawStream(device)`` (one C call), or None without it."""
+    torch = sys.modules.get("torch")
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch is not None else None
+
+
+def buffer_key(x: Any) -> tuple[Any, ...] | None:
+    """Return what an NCCL call depends on in GPU buffer ``x``, hashable; None: do not cache.
+
+    The key holds the address, dtype, shape, strides and device of ``x`` (for torch,
+    also whether it requires grad, and None when it does: such a tensor is checked
+    on every call). Two buffers with equal keys make the same NCCL calls, so a
+    launch built for one serves the other. Costs a few attribute reads, no
+    description; anything else than a cupy array or CUDA torch tensor gives a key
+    that no launch was built for.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            return None
+        return (x.data_ptr(), x.dtype, x.shape, x.stride(), x.get_device())
+    try:
+        data = x.data
+        return (data.ptr, x.dtype, x.shape, x.strides, data.device_id)
+    except AttributeError:
+        return None
 
 
 _TORCH_STREAMS: dict[tuple[int, int], Any] = {}

@@ -52,7 +52,9 @@ OPS = (
     "reduce",
     "broadcast",
     "allgather",
+    "allgather_flat",
     "reducescatter",
+    "reducescatter_flat",
     "gather",
     "scatter",
     "alltoall",
@@ -182,6 +184,16 @@ def run_op(group: Any, device: int, op: str, kind: str, dtype: str, async_op: bo
     elif op == "allgather":
         outs = [new(zeros) for _ in range(n)]
         work = group.allgather([outs], [new(values(rank))], AllGatherOptions(async_op=async_op))
+    elif op == "allgather_flat":  # chunks of one buffer: one NCCL allgather, no copy
+        flat = new(np.zeros((n, *SHAPE)))
+        outs = [flat[j] for j in range(n)]
+        work = group.allgather([outs], [new(values(rank))], AllGatherOptions(async_op=async_op))
+    elif op == "reducescatter_flat":
+        flat = new(np.stack([values(rank, offset=j) for j in range(n)]))
+        chunks = [flat[j] for j in range(n)]
+        outs = [new(zeros), *chunks]
+        summing = ReduceScatterOptions(ReduceOp.SUM, async_op=async_op)
+        work = group.reducescatter(outs[:1], [chunks], summing)
     elif op == "reducescatter":
         chunks = [new(values(rank, offset=j)) for j in range(n)]
         outs = [new(zeros), *chunks]
@@ -219,9 +231,9 @@ def expected(op: str, rank: int, world_size: int) -> list[np.ndarray]:
         return [reduced(inputs, ReduceOp.SUM) if rank == root else values(rank)]
     if op == "broadcast":
         return [values(root, offset=1)]
-    if op == "allgather":
+    if op in ("allgather", "allgather_flat"):
         return inputs
-    if op == "reducescatter":
+    if op in ("reducescatter", "reducescatter_flat"):
         summed = reduced([values(r, offset=rank) for r in range(n)], ReduceOp.SUM)
         return [summed, *(values(rank, offset=j) for j in range(n))]
     if op == "gather":
@@ -251,18 +263,44 @@ _GROUPS: list[Any] = []
 """The group of the rank in this process, between jobs."""
 
 
-def open_group(context: RankContext, name: str) -> None:
-    """Select GPU ``rank`` for cupy and torch, and build this rank's NCCLGroup ``name``."""
+def gpu_of(rank: int) -> int:
+    """Return the GPU of ``rank``: its own where there are enough, else shared round-robin."""
+    return rank % max(1, gpu_count())
+
+
+def claim_own_host(rank: int) -> None:
+    """Make NCCL in this rank process take it for a host of its own, before its first call.
+
+    NCCL refuses two ranks of one communicator on one GPU; ranks that claim different
+    hosts (``NCCL_HOSTID``) talk over NCCL's socket transport on the loopback
+    interface instead, which is right, if slow. Variables already set are kept.
+    """
+    import os
+
+    os.environ.setdefault("NCCL_HOSTID", f"collective-rank-{rank}")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
+def open_group(context: RankContext, name: str, timeout_s: float | None = None) -> None:
+    """Select this rank's GPU for cupy and torch, and build this rank's NCCLGroup ``name``.
+
+    Where fewer GPUs are visible than ranks, the ranks share them, each claiming a
+    host of its own (see ``claim_own_host``).
+    """
     import cupy
 
     from collective.groups.nccl import NCCLGroup
 
-    cupy.cuda.Device(context.rank).use()
+    if gpu_count() < context.world_size:
+        claim_own_host(context.rank)
+    device = gpu_of(context.rank)
+    cupy.cuda.Device(device).use()
     if torch_cuda():
         import torch
 
-        torch.cuda.set_device(context.rank)
-    group = NCCLGroup(context.world_size, context.rank, name, context.store, GROUP_TIMEOUT)
+        torch.cuda.set_device(device)
+    timeout = GROUP_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s)
+    group = NCCLGroup(context.world_size, context.rank, name, context.store, timeout)
     _GROUPS[:] = [group]
 
 
@@ -275,20 +313,21 @@ def run_op_on_rank(
     context: RankContext, op: str, kind: str, dtype: str, async_op: bool
 ) -> list[np.ndarray]:
     """Run ``run_op`` on this rank's group and GPU."""
-    return run_op(_GROUPS[0], context.rank, op, kind, dtype, async_op)
+    return run_op(_GROUPS[0], gpu_of(context.rank), op, kind, dtype, async_op)
 
 
 def send_recv_on_rank(context: RankContext, kind: str) -> np.ndarray:
-    """Rank 0 sends to GPU 1 of rank 1; rank 1 sends its first 8 elements back."""
+    """Rank 0 sends to rank 1's GPU; rank 1 sends its first 8 elements back."""
     group, rank = _GROUPS[0], context.rank
-    x = make(kind, values(rank), "float32", rank)
+    mine, theirs = gpu_of(rank), gpu_of(1 - rank)
+    x = make(kind, values(rank), "float32", mine)
     if rank == 0:
-        group.send([x], SendOptions(dst_rank=1, dst_gpu_index=1))
-        group.recv([x], RecvOptions(src_rank=1, src_gpu_index=1, n_elements=8))
+        group.send([x], SendOptions(dst_rank=1, dst_gpu_index=theirs))
+        group.recv([x], RecvOptions(src_rank=1, src_gpu_index=theirs, n_elements=8))
     elif rank == 1:
-        group.recv([x], RecvOptions(src_rank=0, src_gpu_index=0))
-        reply = make(kind, values(1, offset=3), "float32", rank)
-        group.send([reply], SendOptions(dst_rank=0, dst_gpu_index=0, n_elements=8))
+        group.recv([x], RecvOptions(src_rank=0, src_gpu_index=theirs))
+        reply = make(kind, values(1, offset=3), "float32", mine)
+        group.send([reply], SendOptions(dst_rank=0, dst_gpu_index=theirs, n_elements=8))
     return host(x)
 
 

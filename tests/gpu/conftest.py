@@ -1,9 +1,10 @@
 """Fixtures of the GPU tests, without Ray: one group per world size, shared by the session.
 
 ``solo`` is a world-size-1 NCCLGroup in this process on GPU 0, on a torch TCPStore,
-also registered under its name so that the public functions reach it. ``pair`` is two
-rank processes, rank r on GPU r, each holding its rank of one group; it skips, saying
-why, where fewer than two GPUs are visible. ``tests/gpu/run.sh`` runs these tests with
+also registered under its name so that the public functions reach it. ``pair`` and
+``trio`` are two and three rank processes, each holding its rank of one group, rank r
+on GPU r where there are enough GPUs and otherwise sharing them, each rank claiming a
+host of its own for NCCL. ``tests/gpu/run.sh`` runs these tests with
 ``--confcutdir tests/gpu``, so that the Ray fixtures of ``tests/conftest.py`` are not
 loaded where Ray is not installed.
 """
@@ -44,19 +45,30 @@ def solo() -> Iterator[Any]:
     col.destroy_collective_group(name)
 
 
-@pytest.fixture(scope="session")
-def pair() -> Iterator[Any]:
-    """Yield a pool of two rank processes, rank r on GPU r, each in one NCCLGroup."""
+def _pool(world_size: int) -> Iterator[Any]:
+    """Yield a pool of ``world_size`` rank processes, each in one NCCLGroup.
+
+    Rank r runs on GPU r where there are enough GPUs; otherwise the ranks share them,
+    each claiming a host of its own for NCCL (see ``cases.claim_own_host``).
+    """
     reason = cases.no_gpu_reason()
     if reason:
         pytest.skip(reason)
-    if cases.gpu_count() < 2:
-        pytest.skip(
-            f"world size 2 runs one rank per GPU and needs 2 GPUs; {cases.gpu_count()} visible"
-        )
     from benchmarks.nccl_ranks import RankPool
 
-    with RankPool(2, timeout=timedelta(seconds=120)) as pool:
-        pool.run(cases.open_group, f"gpu-pair-{uuid.uuid4().hex[:8]}")
+    with RankPool(world_size, timeout=timedelta(seconds=120)) as pool:
+        pool.run(cases.open_group, f"gpu-ws{world_size}-{uuid.uuid4().hex[:8]}")
         yield pool
         pool.run(cases.close_group)
+
+
+@pytest.fixture(scope="session")
+def pair() -> Iterator[Any]:
+    """Yield a pool of two rank processes in one NCCLGroup (see ``_pool``)."""
+    yield from _pool(2)
+
+
+@pytest.fixture(scope="session")
+def trio() -> Iterator[Any]:
+    """Yield a pool of three rank processes in one NCCLGroup (see ``_pool``)."""
+    yield from _pool(3)

@@ -1,4 +1,4 @@
-"""How an NCCLGroup runs its ops: communicators, streams, launches, abort and destroy.
+"""The base of NCCLGroup: communicators, streams, failure, abort and destroy.
 
 Communicators are made on first use and cached:
 
@@ -13,32 +13,15 @@ Communicators are made on first use and cached:
   ranks that take no part in it. The lower endpoint is NCCL rank 0 and publishes
   the ID. A gpu index is the CUDA device ordinal the owning process sees.
 
-Streams: every op runs on a per-device comm stream, taken from the process's
-``cuda.STREAMS`` and never destroyed (see ``StreamPool`` for why), that first
-waits on an event recorded on the caller's current stream (torch's for torch
-tensors, cupy's for cupy arrays). After the op an event is recorded on the comm
-stream. A blocking op (``async_op`` False) makes the caller's current stream wait on
-that event before it returns, without blocking the host, so any later work on that
-stream sees the result. An async op returns at once; its ``Work.wait`` polls the
-event up to the timeout, then orders the caller's current stream after it. The
-group holds every buffer until its op's event has completed and records the comm
-stream's use of torch tensors with torch's caching allocator, so freeing an input
-early is safe.
-
-Launches: a group runs one op at a time, under its op lock, so that ops issued from
-several threads never interleave their NCCL calls. An op first builds its plan: every
-NCCL call it makes, as a bound method and integer arguments. The launch then issues
-them between one ``groupStart`` and ``groupEnd``, so no code of ours that could raise
-runs inside the NCCL group. Should a call fail there all the same, the NCCL group is
-discarded (``nccl_comm.discard_group``), so no peer is left waiting for half an op,
-and the group fails: its communicators are aborted.
+Launches, streams and the mismatch check: see ``running`` and ``mismatch``. A
+failure, an abort or a destroy drops the group's launches.
 
 Locks: the op lock is held for a whole op, including the making of a communicator,
 which waits up to the timeout for the peers; the state lock is held for moments
 only, so ``abort`` and ``destroy_group`` never wait for an op or a pending init.
 
-``p2p.NcclPointToPoint`` adds the ops built on send and recv, and
-``group.NCCLGroup`` the collectives.
+``running.NcclRunning`` adds how ops run, ``p2p.NcclPointToPoint`` the ops built on
+send and recv, and ``group.NCCLGroup`` the collectives.
 """
 
 from __future__ import annotations
@@ -48,45 +31,41 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from collective import tensor
+import numpy as np
+
 from collective.groups.base import BaseGroup
+from collective.groups.nccl import mismatch
 from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     create_communicators,
     cupy_module,
-    discard_group,
     encode_unique_id,
     exchange_unique_id,
     release_communicators,
     unavailable_reason,
 )
-from collective.groups.nccl.cuda import (
-    STREAMS,
-    NcclWork,
-    follow,
-    record,
-    settled,
-    wait_events,
-)
+from collective.groups.nccl.cuda import STREAMS, wait_events
+from collective.groups.nccl.launch import Launch, Plan, Signed
+from collective.groups.nccl.watchdog import Watch
 from collective.store import RendezvousStore, meet
-from collective.tensor import NCCL_DTYPES
+from collective.tensor import NCCL_DTYPES, CudaBuffer
 from collective.types import (
     DEFAULT_TIMEOUT,
     Backend,
     CollectiveError,
     CollectiveTimeoutError,
     GroupOptions,
+    ReduceOp,
 )
-from collective.work import Work
-
-Step = tuple[Callable[..., Any], tuple[Any, ...]]
-"""One call of an op's plan: a bound method of a communicator (or cupy's runtime), its arguments."""
-
-Plan = Callable[[int, Any, int], list[Step]]
-"""Returns device i's calls: ``plan(i, communicator, comm_stream_handle)``."""
 
 Communicators = Callable[[timedelta], list[Any]]
 """Returns an op's communicators, one per device, making them within the timeout if new."""
+
+Builder = Callable[[], tuple[Sequence[Any], Communicators, Plan]]
+"""Checks an op's buffers once; returns its anchors, communicators and plan."""
+
+_H2D = 1
+"""``cudaMemcpyHostToDevice``."""
 
 _ABORT_GRACE = timedelta(seconds=0.5)
 """How long ``abort`` lets kernels already launched finish before it aborts the communicators."""
@@ -121,6 +100,7 @@ class NCCLGroupBase(BaseGroup):
         super().__init__(world_size, rank, group_name, timeout, options)
         self._cupy = cupy_module()
         self._cuda = self._cupy.cuda
+        self._nccl = self._cuda.nccl
         try:
             meet(store, f"nccl/{group_name}/init", rank, world_size, timeout)
         except TimeoutError as exc:
@@ -130,11 +110,24 @@ class NCCLGroupBase(BaseGroup):
         self._op_lock = threading.Lock()
         self._comms: dict[tuple[Any, ...], list[Any]] = {}
         self._streams: dict[int, int] = {}
-        self._ready: dict[int, Any] = {}
+        self._events: dict[int, list[Any]] = {}
         self._inflight: list[tuple[list[Any], list[Any]]] = []
+        self._launches: dict[tuple[Any, ...], Launch] = {}
         self._collective_count = 0
         self._default_devices: tuple[int, ...] | None = None
         self._destroyed = False
+        self._open = True
+        """False once the group failed, was aborted or destroyed: ``_check_usable`` says why."""
+        self._checking = mismatch.enabled()
+        self._checks: dict[int, mismatch.Check] = {}
+        self._watch = Watch(
+            self._cuda,
+            self._op_lock,
+            self._all_comms,
+            self._fail,
+            self._mismatch,
+            self._check_events,
+        )
 
     @classmethod
     def backend(cls) -> Backend | str:
@@ -151,6 +144,33 @@ class NCCLGroupBase(BaseGroup):
         """Return what is missing for the nccl backend, or "" if nothing is."""
         return unavailable_reason()
 
+    def skip_agreement(self) -> None:
+        """Drop the signature check of each op: ``CheckedGroup`` compares every call itself."""
+        self._checking = False
+
+    def _check_usable(self, destroyed: bool) -> None:
+        """Raise at once if the group is broken; a timeout the watchdog found raises as one."""
+        error = self._error
+        if isinstance(error, CollectiveTimeoutError):
+            raise CollectiveTimeoutError(
+                error.op,
+                error.group_name,
+                error.rank,
+                error.timeout,
+                f"{error.detail}; group {self.group_name!r} is unusable: destroy it and create "
+                "it again",
+            )
+        super()._check_usable(destroyed)
+
+    def _all_comms(self) -> list[Any]:
+        with self._lock:
+            return [c for entry in self._comms.values() for c in entry]
+
+    def _close(self) -> None:
+        """Refuse later ops and forget every launch (they hold the communicators)."""
+        self._open = False
+        self._launches = {}
+
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         """Mark the group unusable after ``exc``, abort its communicators, return the error."""
         if self._aborted is not None:
@@ -165,8 +185,14 @@ class NCCLGroupBase(BaseGroup):
                 f"{type(exc).__name__}: {exc}"
             )
         with self._lock:
-            self._error = self._error or error
+            first = self._error
+            if first is None:
+                self._error = error
+                self._close()
             comms = [c for entry in self._comms.values() for c in entry]
+        if first is not None:  # the first failure aborted the communicators
+            return first
+        self._watch.stopped = True
         release_communicators(self._cuda, comms, [], False, self.timeout)
         return error
 
@@ -188,7 +214,7 @@ class NCCLGroupBase(BaseGroup):
         found = self._comms.get(key)
         if found is not None:
             return found
-        nccl = self._cuda.nccl
+        nccl = self._nccl
         uid = exchange_unique_id(
             self._store,
             f"nccl/{self.group_name}/{store_key}",
@@ -222,6 +248,11 @@ class NCCLGroupBase(BaseGroup):
         ranks = [self.rank * n + i for i in range(n)]
         return self._communicators(key, store_key, devices, self.world_size * n, ranks, timeout)
 
+    def _comms_of(self, bufs: Sequence[CudaBuffer]) -> Communicators:
+        """Return the getter of the collective communicators of ``bufs``' devices."""
+        devices = [b.device for b in bufs]
+        return lambda timeout: self._collective_comms(devices, timeout)
+
     def _stream(self, device: int) -> int:
         stream = self._streams.get(device)
         if stream is None:
@@ -230,124 +261,70 @@ class NCCLGroupBase(BaseGroup):
                 self._streams[device] = stream
         return stream
 
-    def _ready_event(self, device: int) -> Any:
-        """Return the event that marks, on GPU ``device``, where the caller's stream stands.
-
-        One per device serves every op: a stream waits for an event as it was recorded
-        when the wait was queued, so recording it again for the next op is safe.
-        """
-        event = self._ready.get(device)
-        if event is None:
-            with self._cuda.Device(device):
-                event = self._ready[device] = self._cuda.Event(disable_timing=True)
-        return event
-
     # --- launching ----------------------------------------------------------------------
 
-    def _run(
+    def _signed(
         self,
         op: str,
-        options: Any,
-        anchors: Sequence[Any],
-        communicators: Communicators,
-        plan: Plan,
-        buffers: Sequence[Any],
-    ) -> Work:
-        """Run one op under the op lock: get its communicators, then launch ``plan``.
+        x: Any,
+        device: int,
+        comm: Any,
+        stream: int,
+        root: int,
+        reduce_op: ReduceOp | None,
+    ) -> Signed:
+        """Return the signature check of ``op`` on ``x``, its words put on GPU ``device``.
 
-        ``anchors`` holds one caller buffer per device, whose current stream the op
-        follows; ``buffers`` holds every caller buffer the op reads or writes.
+        The words go up from pinned memory on ``stream``, the op's own, so they are in
+        place when the check's allreduce reads them: no host synchronisation, and no
+        ordering against any other stream.
         """
-        timeout = options.timeout or self.timeout
-        with self._op_lock:
-            self._check_usable(self._destroyed)
+        check = self._checks.get(device)
+        if check is None:
+            check = self._checks[device] = mismatch.Check(self._cupy, device)
+        words = mismatch.words(op, x, root, reduce_op)
+        pinned = self._cuda.alloc_pinned_memory(words.nbytes)
+        np.frombuffer(pinned, dtype=np.int64, count=words.size)[:] = words
+        with self._cuda.Device(device):
+            on_gpu = self._cupy.empty(words.size, dtype=np.int64)
+        ptr = int(on_gpu.data.ptr)
+        self._cuda.runtime.memcpyAsync(ptr, int(pinned.ptr), words.nbytes, _H2D, stream)
+        return Signed(check, (on_gpu, pinned), ptr, comm)
+
+    def _mismatch(self) -> CollectiveError | None:
+        """Read the finished signature checks (op lock held); fail the group on a mismatch.
+
+        Returns the group's error after a mismatch, or a CUDA error of a check's event.
+        """
+        for check in self._checks.values():
             try:
-                comms = communicators(timeout)
-            except Exception as exc:
-                raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
-            return self._launch(op, options, timeout, anchors, comms, plan, buffers)
+                found = check.read()
+            except RuntimeError as exc:
+                return self._fail(check.oldest(), self.timeout, exc)
+            if found is not None:
+                return self._fail(found.split(":")[0], self.timeout, self._mismatched(found))
+        return None
 
-    def _launch(
-        self,
-        op: str,
-        options: Any,
-        timeout: timedelta,
-        anchors: Sequence[Any],
-        comms: Sequence[Any],
-        plan: Plan,
-        buffers: Sequence[Any],
-    ) -> Work:
-        """Issue ``plan`` for each device of ``anchors`` on its comm stream, ordered by streams."""
-        cuda = self._cuda
-        devices = [tensor.cuda_buffer(a, "tensor").device for a in anchors]
-        callers = [tensor.current_stream(a) for a in anchors]
-        kept = [(x, tensor.cuda_buffer(x, "tensor").device) for x in buffers]
-        try:
-            streams = [self._stream(d) for d in devices]
-            by_device = dict(zip(devices, streams, strict=True))
-            steps = [
-                plan(i, comm, s) for i, (comm, s) in enumerate(zip(comms, streams, strict=True))
-            ]
-            for device, stream, caller in zip(devices, streams, callers, strict=True):
-                with cuda.Device(device):
-                    ready = self._ready_event(device)
-                    record(cuda, ready, caller)
-                    follow(cuda, stream, ready)
-            cuda.nccl.groupStart()
-            try:
-                for device, calls in zip(devices, steps, strict=True):
-                    with cuda.Device(device):
-                        for method, args in calls:
-                            method(*args)
-            except BaseException:
-                discard_group(cuda.nccl)
-                raise
-            cuda.nccl.groupEnd()
-            events = {}
-            for device, stream in by_device.items():
-                with cuda.Device(device):
-                    events[device] = cuda.Event(disable_timing=True)
-                    record(cuda, events[device], stream)
-            for x, device in kept:
-                tensor.record_stream(x, by_device[device])
-        except Exception as exc:
-            raise self._fail(op, timeout, exc) from exc
-        event_list = list(events.values())
-        with self._lock:
-            self._inflight = [e for e in self._inflight if not settled(cuda, e[0])]
-            self._inflight.append((event_list, [x for x, _ in kept]))
-
-        def order_after() -> None:
-            waits = {(device, tensor.current_stream(x)) for x, device in kept}
-            for device, stream in waits:
-                with cuda.Device(device):
-                    follow(cuda, stream, events[device])
-
-        work = NcclWork(op, cuda, event_list, list(comms), order_after, self._fail, timeout)
-        if not options.async_op:
-            order_after()
-        return work
-
-    def _collective(
-        self, op: str, options: Any, anchors: Sequence[Any], plan: Plan, buffers: Sequence[Any]
-    ) -> Work:
-        """Launch ``plan`` on the collective communicators of ``anchors``' devices."""
-        devices = [tensor.cuda_buffer(a, "tensor").device for a in anchors]
-        return self._run(
-            op,
-            options,
-            anchors,
-            lambda timeout: self._collective_comms(devices, timeout),
-            plan,
-            buffers,
+    def _mismatched(self, found: str) -> CollectiveError:
+        """Return the error of a mismatch the signature check ``found``."""
+        return CollectiveError(
+            f"group {self.group_name!r}, found on rank {self.rank}: {found}; NCCL "
+            "moved nothing right, and the group is unusable"
         )
+
+    def _check_events(self) -> list[Any]:
+        """Return the events of the signature checks not yet read."""
+        return [e for check in list(self._checks.values()) for e in check.events()]
 
     def abort(self, reason: str) -> None:
         """End this rank's ops; kernels still running after ``_ABORT_GRACE`` abort the comms."""
         super().abort(reason)
         with self._lock:
+            self._close()
             comms = [c for entry in self._comms.values() for c in entry]
             events = [e for pending in self._inflight for e in pending[0]]
+        events += self._watch.pending()
+        self._watch.stopped = True
         try:
             finished = wait_events(self._cuda, events, comms, _ABORT_GRACE)
         except RuntimeError:
@@ -373,14 +350,14 @@ class NCCLGroupBase(BaseGroup):
         The comm streams go back to the process's pool only when every op on them has
         finished; otherwise they are left alone, never destroyed.
         """
+        pending = self._watch.pending()
         self.abort(f"group {self.group_name!r} was destroyed on rank {self.rank}")
         with self._lock:
             self._destroyed = True
             comms = [c for entry in self._comms.values() for c in entry]
-            events = [e for pending in self._inflight for e in pending[0]]
+            events = [e for pending in self._inflight for e in pending[0]] + pending
             streams, self._streams = self._streams, {}
             self._comms.clear()
-            self._ready.clear()
         if release_communicators(self._cuda, comms, events, self._error is None, self.timeout):
             STREAMS.release(self._cuda, streams)
         with self._lock:

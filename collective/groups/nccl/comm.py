@@ -287,3 +287,13 @@ def buffers_on(xs: Sequence[Any], name: str, like: CudaBuffer, length: int) -> l
                 f"{like.count} {like.dtype} on cuda:{like.device}"
             )
     return bufs
+
+
+def consecutive(bufs: Sequence[CudaBuffer]) -> bool:
+    """Return whether ``bufs`` lie one after another in memory, in order, with no gap.
+
+    Such a list is one buffer that a single NCCL allgather or reduce-scatter fills or
+    reads, chunk j belonging to NCCL rank j.
+    """
+    first = bufs[0]
+    return all(b.ptr == first.ptr + j * first.nbytes for j, b in enumerate(bufs))

@@ -20,7 +20,7 @@ from collective.work import OnceWork
 _NON_BLOCKING = 1
 """``cudaStreamNonBlocking``: the stream does not synchronise with the legacy default stream."""
 
-_NOT_READY = 600
+NOT_READY = 600
 """``cudaErrorNotReady``: what ``cudaEventQuery`` returns while the event is pending."""
 
 _POLL_S = (0.0005, 0.01)
@@ -92,7 +92,7 @@ def events_done(cuda: Any, events: Sequence[Any]) -> bool:
     """
     for event in events:
         status = cuda.runtime.eventQuery(event.ptr)
-        if status == _NOT_READY:
+        if status == NOT_READY:
             return False
         if status != 0:
             raise cuda.runtime.CUDARuntimeError(status)
@@ -142,8 +142,13 @@ class NcclWork(OnceWork):
         finish: Callable[[], None],
         fail: Callable[[str, timedelta, BaseException], CollectiveError],
         timeout: timedelta,
+        broken: Callable[[], CollectiveError | None] = lambda: None,
     ) -> None:
-        """Track ``events`` of op ``op``; ``fail`` turns a failure into the group's error."""
+        """Track ``events`` of op ``op``; ``fail`` turns a failure into the group's error.
+
+        ``broken`` returns the group's failure, if another op or the watchdog found one:
+        the events of an op whose communicators were aborted complete too.
+        """
         super().__init__()
         self._op = op
         self._cuda = cuda
@@ -152,6 +157,7 @@ class NcclWork(OnceWork):
         self._finish: Callable[[], None] | None = finish
         self._fail = fail
         self._op_timeout = timeout
+        self._broken = broken
 
     def _complete(self, timeout: timedelta | None) -> None:
         if self._error is not None:  # ``exception`` has seen the failure already
@@ -164,7 +170,9 @@ class NcclWork(OnceWork):
                 comm.check_async_error()
         except (RuntimeError, TimeoutError) as exc:
             self._error = self._fail(self._op, limit, exc)
-        else:
+            return
+        self._error = self._broken()
+        if self._error is None:
             if self._finish is not None:
                 self._finish()
             self._finish = None

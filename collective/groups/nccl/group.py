@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from collective.groups.nccl.base import Step
-from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, per_device
+from collective import tensor
+from collective.groups.nccl.base import Communicators
+from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, consecutive, per_device
+from collective.groups.nccl.launch import Plan, Step
 from collective.groups.nccl.p2p import NcclPointToPoint
 from collective.types import (
     AllGatherOptions,
@@ -22,10 +24,24 @@ from collective.types import (
     ArgumentValueError,
     BarrierOptions,
     BroadcastOptions,
+    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
 )
 from collective.work import Work
+
+REDUCE_OP_NAMES: dict[str, int] = {
+    alias: op._value_ for op in ReduceOp for alias in (op.name, op.name.lower())
+}
+"""The value of each ``ReduceOp`` by its names, as the public ops take them; for cached calls.
+
+Launch keys hold a reduction's value, not the member: hashing an enum member runs
+Python code (``Enum.__hash__``), hashing an int does not."""
+
+
+def _op_value(op: Any) -> int:
+    """Return the value of ``op``, a ``ReduceOp`` or one of its names (KeyError otherwise)."""
+    return op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op]
 
 
 class NCCLGroup(NcclPointToPoint):
@@ -33,15 +49,65 @@ class NCCLGroup(NcclPointToPoint):
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensors, in place."""
-        bufs = per_device(tensors, "tensor_list")
-        self.check_reduce_op(options.reduce_op, bufs[0].dtype)
-        op = NCCL_REDUCE_OPS[options.reduce_op]
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            b = bufs[i]
-            return [(comm.allReduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, stream))]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            bufs = per_device(tensors, "tensor_list")
+            self.check_reduce_op(options.reduce_op, bufs[0].dtype)
+            op = NCCL_REDUCE_OPS[options.reduce_op]
 
-        return self._collective("allreduce", options, tensors, plan, tensors)
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                b = bufs[i]
+                return [(comm.allReduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, stream))]
+
+            return tensors, self._comms_of(bufs), plan
+
+        extra = (options.reduce_op._value_,)
+        signed = (-1, options.reduce_op)
+        return self._op("allreduce", options, tensors, tensors, extra, builder, signed)
+
+    def allreduce_now(self, x: Any, op: Any) -> bool:
+        """Run a blocking allreduce whose launch is cached; False, doing nothing, on a miss."""
+        try:
+            key = (
+                "allreduce",
+                False,
+                (op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op],),
+                (tensor.buffer_key(x),),
+                (tensor.current_stream(x),),
+            )
+            launch = self._launches.get(key)
+        except (KeyError, TypeError, AttributeError):
+            return False
+        if launch is None:
+            return False
+        self._run(launch, self._timeout)
+        return True
+
+    def reduce_now(self, x: Any, op: Any, root: Any) -> bool:
+        """Run a blocking reduce whose launch is cached; False, doing nothing, on a miss."""
+        try:
+            extra = (_op_value(op), root, 0) if type(root) is int else None
+            key = ("reduce", False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
+            launch = self._launches.get(key)
+        except (KeyError, TypeError, AttributeError):
+            return False
+        if launch is None:
+            return False
+        self._run(launch, self._timeout)
+        return True
+
+    def broadcast_now(self, x: Any, root: Any) -> bool:
+        """Run a blocking broadcast whose launch is cached; False, doing nothing, on a miss."""
+        try:
+            extra = (root, 0) if type(root) is int else None
+            key = ("broadcast", False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
+            launch = self._launches.get(key)
+        except (TypeError, AttributeError):
+            return False
+        if launch is None:
+            return False
+        self._run(launch, self._timeout)
+        return True
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier: a one-element allreduce."""
@@ -59,27 +125,39 @@ class NCCLGroup(NcclPointToPoint):
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
-        bufs = per_device(tensors, "tensor_list")
-        self.check_reduce_op(options.reduce_op, bufs[0].dtype)
-        op = NCCL_REDUCE_OPS[options.reduce_op]
-        root = options.root_rank * len(bufs) + options.root_tensor
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            b = bufs[i]
-            return [(comm.reduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, root, stream))]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            bufs = per_device(tensors, "tensor_list")
+            self.check_reduce_op(options.reduce_op, bufs[0].dtype)
+            op = NCCL_REDUCE_OPS[options.reduce_op]
+            root = options.root_rank * len(bufs) + options.root_tensor
 
-        return self._collective("reduce", options, tensors, plan, tensors)
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                b = bufs[i]
+                return [(comm.reduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, root, stream))]
+
+            return tensors, self._comms_of(bufs), plan
+
+        extra = (options.reduce_op._value_, options.root_rank, options.root_tensor)
+        signed = (options.root_rank, options.reduce_op)
+        return self._op("reduce", options, tensors, tensors, extra, builder, signed)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensors, in place."""
-        bufs = per_device(tensors, "tensor_list")
-        root = options.root_rank * len(bufs) + options.root_tensor
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            b = bufs[i]
-            return [(comm.broadcast, (b.ptr, b.ptr, b.count, b.nccl_dtype, root, stream))]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            bufs = per_device(tensors, "tensor_list")
+            root = options.root_rank * len(bufs) + options.root_tensor
 
-        return self._collective("broadcast", options, tensors, plan, tensors)
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                b = bufs[i]
+                return [(comm.broadcast, (b.ptr, b.ptr, b.count, b.nccl_dtype, root, stream))]
+
+            return tensors, self._comms_of(bufs), plan
+
+        extra = (options.root_rank, options.root_tensor)
+        signed = (options.root_rank, None)
+        return self._op("broadcast", options, tensors, tensors, extra, builder, signed)
 
     def allgather(
         self,
@@ -87,29 +165,44 @@ class NCCLGroup(NcclPointToPoint):
         tensors: Sequence[Any],
         options: AllGatherOptions,
     ) -> Work:
-        """Write NCCL rank j's tensor into element j of every list, as grouped broadcasts."""
-        ins = per_device(tensors, "input_tensor_list")
-        n = len(ins)
-        if len(tensor_lists) != n:
-            raise ArgumentValueError(f"output_tensor_lists must hold {n} lists (one per GPU)")
-        nranks = self.world_size * n
-        outs = [
-            buffers_on(tensor_lists[i], f"output_tensor_lists[{i}]", ins[i], nranks)
-            for i in range(n)
-        ]
+        """Write NCCL rank j's tensor into element j of every list.
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            me, b = self.rank * n + i, ins[i]
-            return [
-                (
-                    comm.broadcast,
-                    (b.ptr if j == me else out.ptr, out.ptr, b.count, b.nccl_dtype, j, stream),
-                )
-                for j, out in enumerate(outs[i])
+        A list of consecutive views of one buffer, in rank order, is filled by one NCCL
+        allgather, with no copy; any other list by grouped broadcasts straight into
+        its tensors.
+        """
+
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            ins = per_device(tensors, "input_tensor_list")
+            n = len(ins)
+            if len(tensor_lists) != n:
+                raise ArgumentValueError(f"output_tensor_lists must hold {n} lists (one per GPU)")
+            nranks = self.world_size * n
+            outs = [
+                buffers_on(tensor_lists[i], f"output_tensor_lists[{i}]", ins[i], nranks)
+                for i in range(n)
             ]
 
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                me, b = self.rank * n + i, ins[i]
+                if consecutive(outs[i]):
+                    return [
+                        (comm.allGather, (b.ptr, outs[i][0].ptr, b.count, b.nccl_dtype, stream))
+                    ]
+                return [
+                    (
+                        comm.broadcast,
+                        (b.ptr if j == me else out.ptr, out.ptr, b.count, b.nccl_dtype, j, stream),
+                    )
+                    for j, out in enumerate(outs[i])
+                ]
+
+            return tensors, self._comms_of(ins), plan
+
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("allgather", options, tensors, plan, [*tensors, *flat])
+        shape = tuple(len(xs) for xs in tensor_lists)
+        buffers = [*tensors, *flat]
+        return self._op("allgather", options, buffers, tensors, shape, builder, (-1, None))
 
     def reducescatter(
         self,
@@ -117,27 +210,44 @@ class NCCLGroup(NcclPointToPoint):
         tensor_lists: Sequence[Sequence[Any]],
         options: ReduceScatterOptions,
     ) -> Work:
-        """Reduce element j of every list into NCCL rank j's tensor, as grouped reduces.
+        """Reduce element j of every list into NCCL rank j's tensor.
 
-        The input lists are only read.
+        A list of consecutive views of one buffer, in rank order, is reduced by one
+        NCCL reduce-scatter, with no copy; any other list by grouped reduces. The input
+        lists are only read.
         """
-        outs = per_device(tensors, "output_tensor_list")
-        n = len(outs)
-        if len(tensor_lists) != n:
-            raise ArgumentValueError(f"input_tensor_lists must hold {n} lists (one per GPU)")
-        self.check_reduce_op(options.reduce_op, outs[0].dtype)
-        op, nranks = NCCL_REDUCE_OPS[options.reduce_op], self.world_size * n
-        ins = [
-            buffers_on(tensor_lists[i], f"input_tensor_lists[{i}]", outs[i], nranks)
-            for i in range(n)
-        ]
 
-        def plan(i: int, comm: Any, stream: int) -> list[Step]:
-            out = outs[i]
-            return [
-                (comm.reduce, (source.ptr, out.ptr, out.count, out.nccl_dtype, op, j, stream))
-                for j, source in enumerate(ins[i])
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            outs = per_device(tensors, "output_tensor_list")
+            n = len(outs)
+            if len(tensor_lists) != n:
+                raise ArgumentValueError(f"input_tensor_lists must hold {n} lists (one per GPU)")
+            self.check_reduce_op(options.reduce_op, outs[0].dtype)
+            op, nranks = NCCL_REDUCE_OPS[options.reduce_op], self.world_size * n
+            ins = [
+                buffers_on(tensor_lists[i], f"input_tensor_lists[{i}]", outs[i], nranks)
+                for i in range(n)
             ]
 
+            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+                out = outs[i]
+                if consecutive(ins[i]):
+                    first = ins[i][0].ptr
+                    return [
+                        (
+                            comm.reduceScatter,
+                            (first, out.ptr, out.count, out.nccl_dtype, op, stream),
+                        )
+                    ]
+                return [
+                    (comm.reduce, (source.ptr, out.ptr, out.count, out.nccl_dtype, op, j, stream))
+                    for j, source in enumerate(ins[i])
+                ]
+
+            return tensors, self._comms_of(outs), plan
+
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("reducescatter", options, tensors, plan, [*tensors, *flat])
+        extra = (options.reduce_op._value_, *(len(xs) for xs in tensor_lists))
+        signed = (-1, options.reduce_op)
+        buffers = [*tensors, *flat]
+        return self._op("reducescatter", options, buffers, tensors, extra, builder, signed)

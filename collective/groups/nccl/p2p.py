@@ -11,8 +11,10 @@ from datetime import timedelta
 from typing import Any
 
 from collective import tensor
-from collective.groups.nccl.base import NCCLGroupBase, Step
+from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import buffers_on, per_device
+from collective.groups.nccl.launch import Plan, Step
+from collective.groups.nccl.running import NcclRunning
 from collective.tensor import CudaBuffer
 from collective.types import (
     AllToAllOptions,
@@ -28,7 +30,7 @@ _DEVICE_TO_DEVICE = 3
 """``cudaMemcpyDeviceToDevice``."""
 
 
-class NcclPointToPoint(NCCLGroupBase):
+class NcclPointToPoint(NcclRunning):
     """The send/recv-based ops of ``NCCLGroup``, on the communicators and launcher of its base."""
 
     def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
@@ -37,25 +39,30 @@ class NcclPointToPoint(NCCLGroupBase):
         The lower endpoint ``(rank, gpu index)`` of the pair is NCCL rank 0.
         """
         self._check_usable(self._destroyed)
-        if len(tensors) != 1:
-            raise ArgumentValueError(f"{op} takes one tensor, got {len(tensors)}")
-        b = tensor.cuda_buffer(tensors[0], "tensor")
-        count = options.n_elements or b.count
-        if count > b.count:
-            raise ArgumentValueError(f"n_elements must be at most {b.count}, got {count}")
-        me, other = (self.rank, b.device), (peer, gpu)
-        low, high = sorted([me, other])
-        mine = 0 if me == low else 1
-        store_key = f"p2p/{low[0]}.{low[1]}-{high[0]}.{high[1]}"
 
-        def communicators(timeout: timedelta) -> list[Any]:
-            key = ("p2p", low, high)
-            return self._communicators(key, store_key, [b.device], 2, [mine], timeout)
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            if len(tensors) != 1:
+                raise ArgumentValueError(f"{op} takes one tensor, got {len(tensors)}")
+            b = tensor.cuda_buffer(tensors[0], "tensor")
+            count = options.n_elements or b.count
+            if count > b.count:
+                raise ArgumentValueError(f"n_elements must be at most {b.count}, got {count}")
+            me, other = (self.rank, b.device), (peer, gpu)
+            low, high = sorted([me, other])
+            mine = 0 if me == low else 1
+            store_key = f"p2p/{low[0]}.{low[1]}-{high[0]}.{high[1]}"
 
-        def plan(_: int, comm: Any, stream: int) -> list[Step]:
-            return [(getattr(comm, op), (b.ptr, count, b.nccl_dtype, 1 - mine, stream))]
+            def communicators(timeout: timedelta) -> list[Any]:
+                key = ("p2p", low, high)
+                return self._communicators(key, store_key, [b.device], 2, [mine], timeout)
 
-        return self._run(op, options, tensors, communicators, plan, tensors)
+            def plan(_: int, comm: Any, stream: int) -> list[Step]:
+                return [(getattr(comm, op), (b.ptr, count, b.nccl_dtype, 1 - mine, stream))]
+
+            return tensors, communicators, plan
+
+        extra = (peer, gpu, options.n_elements)
+        return self._op(op, options, tensors, tensors, extra, builder)
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Send the tensor (or its first ``n_elements``) to GPU ``dst_gpu_index`` of the peer."""
@@ -77,23 +84,32 @@ class NcclPointToPoint(NCCLGroupBase):
         options: GatherOptions,
     ) -> Work:
         """Write rank j's tensor into element j of the root's list; grouped send/recv."""
-        source = per_device(tensors, "tensor")[0]
         root, on_root = options.root_rank, self.rank == options.root_rank
-        length = self.world_size if on_root else 0
-        outs = buffers_on(tensor_lists[0] if tensor_lists else [], "gather_list", source, length)
 
-        def plan(_: int, comm: Any, stream: int) -> list[Step]:
-            if not on_root:
-                return [(comm.send, (source.ptr, source.count, source.nccl_dtype, root, stream))]
-            return [
-                self._copy(out, source, stream)
-                if j == root
-                else (comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream))
-                for j, out in enumerate(outs)
-            ]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            source = per_device(tensors, "tensor")[0]
+            length = self.world_size if on_root else 0
+            first = tensor_lists[0] if tensor_lists else []
+            outs = buffers_on(first, "gather_list", source, length)
+
+            def plan(_: int, comm: Any, stream: int) -> list[Step]:
+                if not on_root:
+                    return [
+                        (comm.send, (source.ptr, source.count, source.nccl_dtype, root, stream))
+                    ]
+                return [
+                    self._copy(out, source, stream)
+                    if j == root
+                    else (comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream))
+                    for j, out in enumerate(outs)
+                ]
+
+            return tensors, self._comms_of([source]), plan
 
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("gather", options, tensors, plan, [*tensors, *flat])
+        extra = (root, len(tensor_lists), len(flat))
+        buffers = [*tensors, *flat]
+        return self._op("gather", options, buffers, tensors, extra, builder, (root, None))
 
     def scatter(
         self,
@@ -102,52 +118,70 @@ class NcclPointToPoint(NCCLGroupBase):
         options: ScatterOptions,
     ) -> Work:
         """Write element j of the root's list into rank j's tensor; grouped send/recv."""
-        out = per_device(tensors, "tensor")[0]
         root, on_root = options.root_rank, self.rank == options.root_rank
-        length = self.world_size if on_root else 0
-        ins = buffers_on(tensor_lists[0] if tensor_lists else [], "scatter_list", out, length)
 
-        def plan(_: int, comm: Any, stream: int) -> list[Step]:
-            if not on_root:
-                return [(comm.recv, (out.ptr, out.count, out.nccl_dtype, root, stream))]
-            return [
-                self._copy(out, source, stream)
-                if j == root
-                else (comm.send, (source.ptr, source.count, source.nccl_dtype, j, stream))
-                for j, source in enumerate(ins)
-            ]
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            out = per_device(tensors, "tensor")[0]
+            length = self.world_size if on_root else 0
+            ins = buffers_on(tensor_lists[0] if tensor_lists else [], "scatter_list", out, length)
+
+            def plan(_: int, comm: Any, stream: int) -> list[Step]:
+                if not on_root:
+                    return [(comm.recv, (out.ptr, out.count, out.nccl_dtype, root, stream))]
+                return [
+                    self._copy(out, source, stream)
+                    if j == root
+                    else (comm.send, (source.ptr, source.count, source.nccl_dtype, j, stream))
+                    for j, source in enumerate(ins)
+                ]
+
+            return tensors, self._comms_of([out]), plan
 
         flat = [x for xs in tensor_lists for x in xs]
-        return self._collective("scatter", options, tensors, plan, [*tensors, *flat])
+        extra = (root, len(tensor_lists), len(flat))
+        buffers = [*tensors, *flat]
+        return self._op("scatter", options, buffers, tensors, extra, builder, (root, None))
 
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
     ) -> Work:
         """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j; grouped send/recv."""
-        if len(outputs) != self.world_size or len(inputs) != self.world_size:
-            raise ArgumentValueError(
-                f"alltoall takes {self.world_size} outputs and inputs, "
-                f"got {len(outputs)} and {len(inputs)}"
-            )
-        outs = [tensor.cuda_buffer(t, f"output_tensor_list[{j}]") for j, t in enumerate(outputs)]
-        ins = [tensor.cuda_buffer(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)]
-        if len({b.device for b in outs + ins}) != 1 or len({b.dtype for b in outs + ins}) != 1:
-            raise ArgumentValueError("alltoall's tensors must all be on one GPU and of one dtype")
-        me = self.rank
-        if outs[me].count != ins[me].count:
-            raise ArgumentValueError(
-                f"output_tensor_list[{me}] and input_tensor_list[{me}] (this rank's own share) "
-                f"must hold as many elements, got {outs[me].count} and {ins[me].count}"
-            )
 
-        def plan(_: int, comm: Any, stream: int) -> list[Step]:
-            steps = []
-            for j, (out, source) in enumerate(zip(outs, ins, strict=True)):
-                if j == me:
-                    steps.append(self._copy(out, source, stream))
-                    continue
-                steps.append((comm.send, (source.ptr, source.count, source.nccl_dtype, j, stream)))
-                steps.append((comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream)))
-            return steps
+        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+            if len(outputs) != self.world_size or len(inputs) != self.world_size:
+                raise ArgumentValueError(
+                    f"alltoall takes {self.world_size} outputs and inputs, "
+                    f"got {len(outputs)} and {len(inputs)}"
+                )
+            outs = [
+                tensor.cuda_buffer(t, f"output_tensor_list[{j}]") for j, t in enumerate(outputs)
+            ]
+            ins = [tensor.cuda_buffer(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)]
+            if len({b.device for b in outs + ins}) != 1 or len({b.dtype for b in outs + ins}) != 1:
+                raise ArgumentValueError(
+                    "alltoall's tensors must all be on one GPU and of one dtype"
+                )
+            me = self.rank
+            if outs[me].count != ins[me].count:
+                raise ArgumentValueError(
+                    f"output_tensor_list[{me}] and input_tensor_list[{me}] (this rank's own "
+                    f"share) must hold as many elements, got {outs[me].count} and {ins[me].count}"
+                )
 
-        return self._collective("alltoall", options, [outputs[0]], plan, [*outputs, *inputs])
+            def plan(_: int, comm: Any, stream: int) -> list[Step]:
+                steps = []
+                for j, (out, source) in enumerate(zip(outs, ins, strict=True)):
+                    if j == me:
+                        steps.append(self._copy(out, source, stream))
+                        continue
+                    steps.append(
+                        (comm.send, (source.ptr, source.count, source.nccl_dtype, j, stream))
+                    )
+                    steps.append((comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream)))
+                return steps
+
+            return [outputs[0]], self._comms_of([outs[0]]), plan
+
+        extra = (len(outputs), len(inputs))
+        buffers = [*outputs, *inputs]
+        return self._op("alltoall", options, buffers, [outputs[0]], extra, builder)

@@ -1,0 +1,284 @@
+"""The host cost of one op, measured without a GPU: ``python -m benchmarks.host_path``.
+
+Drives the public functions (``col.allreduce(...)``) on an NCCL group built on the
+contract suite's stand-ins (``tests/nccl_binding.py``), with a communicator and a
+CUDA runtime that do nothing, for torch-like and cupy-like buffers, blocking and
+async; and the shared-memory and Gloo paths of a CPU group for an 8-byte allreduce
+at 2 ranks (rank 1 in a process of its own). Each row gives the microseconds per call, those of a
+bare loop that calls the communicator directly (NCCL rows; Gloo: torch's
+``ProcessGroupGloo``), and the number of Python calls one op makes, counted with
+``sys.setprofile`` (the stand-ins' own frames left out).
+
+The torch-like buffer is a CPU tensor that says it lies on ``cuda:0``, and the
+caller's stream comes from a stand-in of ``tensor.current_stream`` that does what
+the real one does on a GPU (one kind check and one C call). ``--json PATH`` writes
+the rows: ``path``, ``us_per_call``, ``bare_us_per_call``, ``python_calls``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import collective as col
+from collective import lifecycle, tensor
+from collective.groups.nccl import NCCLGroup
+from collective.groups.nccl import comm as nccl_comm
+from collective.store import TCPRendezvousStore
+from collective.tensor.kinds import is_torch
+from collective.types import AllReduceOptions, CpuTransport, GroupOptions
+from tests.nccl_binding import DeviceArray, FakeDevice, FakeEvent, Pinned, _Devices
+
+_CUDA0 = torch.device("cuda", 0)
+_STAND_INS = {__file__, sys.modules["tests.nccl_binding"].__file__}
+
+
+class TorchLike(torch.Tensor):
+    """A CPU tensor that says it lies on ``cuda:0``, as a CUDA tensor does, without dispatch."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return _CUDA0
+
+    def get_device(self) -> int:
+        return 0
+
+
+def _stream_of(x: Any) -> int:
+    """Stand in for ``tensor.current_stream`` on a GPU: one kind check, one C call."""
+    if is_torch(x):
+        return abs(x.get_device())
+    return abs(x.device.id)
+
+
+def _record_stream(x: Any, stream: int) -> None:
+    """Stand in for ``tensor.record_stream``: a kind check; torch's own call is C."""
+    if is_torch(x):
+        return
+
+
+class _Nothing:
+    """A communicator or CUDA runtime whose every call does nothing."""
+
+    CUDARuntimeError = RuntimeError
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def _nothing(self, *args: Any) -> int:
+        return 0
+
+    allReduce = reduce = broadcast = send = recv = check_async_error = _nothing  # noqa: N815
+    abort = destroy = _nothing
+    eventRecord = streamWaitEvent = eventQuery = streamIsCapturing = _nothing  # noqa: N815
+    memcpyAsync = streamCreateWithFlags = _nothing  # noqa: N815
+
+
+class _Comm(_Nothing):
+    """A communicator that does nothing; refuses a unique ID of the wrong size, as cupy 14."""
+
+    def __init__(self, *args: Any) -> None:
+        if len(args[1]) != nccl_comm.UNIQUE_ID_BYTES:
+            raise ValueError("commId must be 128 bytes")
+
+
+def _bare_cupy() -> Any:
+    devices = _Devices()
+    nccl = SimpleNamespace(
+        NcclCommunicator=_Comm,
+        NcclError=RuntimeError,
+        get_unique_id=lambda: bytes(128),
+        groupStart=lambda: None,
+        groupEnd=lambda: None,
+    )
+    cuda = SimpleNamespace(
+        nccl=nccl,
+        runtime=_Nothing(),
+        Device=lambda device=None: FakeDevice(devices, device),
+        Event=FakeEvent,
+        alloc_pinned_memory=Pinned,
+    )
+
+    def zeros(shape: Any, dtype: Any) -> DeviceArray:
+        return DeviceArray((shape,) if isinstance(shape, int) else shape, np.dtype(dtype).name)
+
+    return SimpleNamespace(cuda=cuda, int32=np.int32, zeros=zeros, empty=zeros)
+
+
+@contextmanager
+def nccl_group() -> Iterator[str]:
+    """Yield the name of a world-size-1 NCCL group on do-nothing stand-ins."""
+    cupy = _bare_cupy()
+    saved = (nccl_comm._probe, tensor.current_stream, tensor.record_stream)
+    nccl_comm._probe = lambda: (cupy, "")  # type: ignore[assignment]
+    tensor.current_stream, tensor.record_stream = _stream_of, _record_stream
+    nccl_comm._takes_bytes.cache_clear()
+    store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30)))
+    name = f"host-path-{uuid.uuid4().hex[:8]}"
+    group = NCCLGroup(1, 0, name, store, timedelta(seconds=30))
+    lifecycle.create_group(name, lambda: (group, store))
+    try:
+        yield name
+    finally:
+        col.destroy_collective_group(name)
+        nccl_comm._probe, tensor.current_stream, tensor.record_stream = saved
+
+
+def per_call_us(fn: Callable[[], Any], iters: int) -> float:
+    """Return the best of three timings of ``iters`` calls of ``fn``, in us per call."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best / iters * 1e6
+
+
+def python_calls(fn: Callable[[], Any], tries: int = 5) -> int:
+    """Return how many Python functions one call of ``fn`` enters, stand-ins left out.
+
+    The fewest of ``tries`` calls: the first op after the watchdog saw the last one
+    finish also wakes it, as a few ops a second do.
+    """
+    counts = []
+    for _ in range(tries):
+        count = 0
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            nonlocal count
+            if event == "call" and frame.f_code.co_filename not in _STAND_INS:
+                count += 1
+
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        counts.append(count)
+    return min(counts)
+
+
+def nccl_rows(iters: int) -> list[dict[str, Any]]:
+    """Measure ``col.allreduce`` on torch-like and cupy-like buffers, blocking and async."""
+    rows = []
+    with nccl_group() as name:
+        comm = _Nothing()
+        buffers = {
+            "torch": torch.zeros(2, dtype=torch.float32).as_subclass(TorchLike),
+            "cupy": DeviceArray((2,), "float32"),
+        }
+        for kind, x in buffers.items():
+            for mode in ("blocking", "async"):
+                if mode == "blocking":
+
+                    def op(x: Any = x) -> Any:
+                        return col.allreduce(x, name)
+                else:
+
+                    def op(x: Any = x) -> Any:
+                        return col.allreduce(x, name, async_op=True).wait()  # type: ignore[union-attr]
+
+                op()
+                op()
+                bare = per_call_us(lambda: comm.allReduce(1, 1, 2, 7, 0, 0), iters)
+                rows.append(
+                    {
+                        "path": f"nccl/{kind}/{mode}",
+                        "us_per_call": per_call_us(op, iters),
+                        "bare_us_per_call": bare,
+                        "python_calls": python_calls(op),
+                    }
+                )
+    return rows
+
+
+def _cpu_peer(port: int, name: str, transport: CpuTransport, calls: int) -> None:
+    """Rank 1 of ``cpu_row``, in a process of its own: ``calls`` 8-byte allreduces."""
+    from collective.groups.cpu import CpuGroup
+
+    store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60)))
+    options = GroupOptions(cpu_transport=transport)
+    group = CpuGroup(2, 1, name, store, timedelta(seconds=60), options=options)
+    y = np.ones(2, dtype=np.float32)
+    for _ in range(calls):
+        if not group.allreduce_now(y, "sum"):
+            group.allreduce([y], AllReduceOptions()).wait()
+    group.destroy_group()
+
+
+def cpu_row(transport: CpuTransport, iters: int) -> dict[str, Any]:
+    """Measure an 8-byte ``col.allreduce`` at 2 ranks on one CPU transport.
+
+    Rank 0 calls the public function in this process; rank 1, a spawned process,
+    makes the same number of calls on its group, as ``col.allreduce`` would.
+    """
+    import multiprocessing
+
+    from collective.groups.cpu import CpuGroup
+
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60))
+    name = f"host-path-{transport.value}-{uuid.uuid4().hex[:8]}"
+    tries, calls = 5, 1 + 5 + 3 * iters
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_cpu_peer, args=(master.port, name, transport, calls), daemon=True
+    )
+    peer.start()
+    options = GroupOptions(cpu_transport=transport)
+    store = TCPRendezvousStore(master)
+    group = CpuGroup(2, 0, name, store, timedelta(seconds=60), options=options)
+    lifecycle.create_group(name, lambda: (group, store))
+    x = np.ones(2, dtype=np.float32)
+    try:
+        col.allreduce(x, name)
+        count = python_calls(lambda: col.allreduce(x, name), tries)
+        us = per_call_us(lambda: col.allreduce(x, name), iters)
+    finally:
+        col.destroy_collective_group(name)
+        peer.join(60)
+        if peer.is_alive():
+            peer.kill()
+    path = f"{transport.value}/allreduce"
+    return {"path": path, "us_per_call": us, "bare_us_per_call": None, "python_calls": count}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table; with ``--json PATH`` also write the rows there."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20000, help="calls per NCCL timing")
+    parser.add_argument("--cpu-iters", type=int, default=2000, help="calls per CPU timing")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = nccl_rows(args.iters)
+    rows += [cpu_row(t, args.cpu_iters) for t in (CpuTransport.SHM, CpuTransport.GLOO)]
+    print(f"{'path':<22}{'us/call':>10}{'bare us':>10}{'ours us':>10}{'py calls':>10}")
+    for row in rows:
+        bare = row["bare_us_per_call"]
+        ours = row["us_per_call"] - bare if bare is not None else None
+        print(
+            f"{row['path']:<22}{row['us_per_call']:>10.2f}"
+            f"{'-' if bare is None else f'{bare:.2f}':>10}"
+            f"{'-' if ours is None else f'{ours:.2f}':>10}{row['python_calls']:>10}"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""A launch: the NCCL calls one op makes, built once per call signature and issued many times.
+
+An op's launch depends only on its call signature: the op, each buffer's address,
+dtype, shape, strides and device, the caller's stream, the root, the reduction and
+whether it is async. ``NCCLGroupBase`` keeps launches in a bounded cache under that
+key, so a repeated call does one dict lookup and the NCCL calls themselves: nothing
+is checked, described or built again.
+
+A launch never holds a caller's buffer, only its address: a buffer freed and
+another made at the same address, of the same dtype and layout, gets the same calls,
+which are then right for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from collective.groups.nccl.comm import discard_group
+from collective.groups.nccl.mismatch import Check
+from collective.groups.nccl.watchdog import Marker
+
+Step = tuple[Callable[..., Any], tuple[Any, ...]]
+"""One call of an op's plan: a bound method of a communicator (or cupy's runtime), its arguments."""
+
+Plan = Callable[[int, Any, int], list[Step]]
+"""Returns device i's calls: ``plan(i, communicator, stream_handle)``."""
+
+LAUNCHES_KEPT = 256
+"""How many launches a group keeps; the oldest goes first."""
+
+
+@dataclass(frozen=True)
+class Signed:
+    """The signature check of a launch: its words on the GPU and where they are reduced."""
+
+    check: Check
+    words: Any
+    """The op's signature words on the GPU and in pinned memory, kept alive with the launch."""
+    ptr: int
+    comm: Any
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The calls of one op on each of its devices, and the streams they run on.
+
+    ``single`` is the one call of a launch that makes exactly one NCCL call on one
+    device: it is issued alone, with no NCCL group call and no device switch (NCCL
+    itself runs each call on its communicator's device). Every other launch is one
+    NCCL group call, entering each device for its calls.
+    """
+
+    op: str
+    devices: tuple[int, ...]
+    calls: tuple[tuple[Step, ...], ...]
+    streams: tuple[int, ...]
+    """The stream each device's calls run on: the caller's (blocking) or a comm stream."""
+    markers: tuple[Marker, ...]
+    """The watchdog's marker of each of ``streams``."""
+    single: Step | None
+    signed: Signed | None = None
+    """The op's signature check, issued just ahead of it; None for ops not checked."""
+
+    def issue(self, nccl: Any, cuda: Any) -> None:
+        """Issue the calls; on a failure inside the NCCL group, discard the whole group.
+
+        Raises:
+            RuntimeError: NCCL or CUDA refused a call; no call of the op was launched.
+
+        """
+        single = self.single
+        if single is not None:
+            single[0](*single[1])
+            return
+        nccl.groupStart()
+        try:
+            for device, calls in zip(self.devices, self.calls, strict=True):
+                with cuda.Device(device):
+                    for method, args in calls:
+                        method(*args)
+        except BaseException:
+            discard_group(nccl)
+            raise
+        nccl.groupEnd()
+
+
+def build(
+    op: str,
+    devices: tuple[int, ...],
+    comms: list[Any],
+    streams: tuple[int, ...],
+    plan: Plan,
+    markers: tuple[Marker, ...],
+    signed: Signed | None = None,
+) -> Launch:
+    """Return the launch of ``plan`` on ``comms``, device i's calls on ``streams[i]``."""
+    calls = tuple(
+        tuple(plan(i, comm, s)) for i, (comm, s) in enumerate(zip(comms, streams, strict=True))
+    )
+    single = None
+    if (
+        len(calls) == 1
+        and len(calls[0]) == 1
+        and getattr(calls[0][0][0], "__self__", None) in comms
+    ):
+        single = calls[0][0]
+    return Launch(op, devices, calls, streams, markers, single, signed)

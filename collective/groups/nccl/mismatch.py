@@ -1,0 +1,166 @@
+"""NCCL's mismatch check: the ranks compare each op's signature on the GPU, with no host sync.
+
+NCCL never checks that its ranks make the same call: a count, dtype, root or op
+that differs mixes data silently, or hangs. So, just ahead of each collective on
+one GPU, every rank allreduces (MAX) its op's signature words ``w`` (see
+``signature``, the encoding every transport compares) together with ``-w``: all
+ranks agree on a word if and only if ``max(w) == -max(-w)``. The words of a launch
+are put on the GPU once, when the launch is built, by a copy from pinned memory on
+the op's stream; each call issues the small
+allreduce into the next slot of a ring on the GPU, copies the slot to pinned host
+memory and records the slot's event, all on the op's stream: three calls, no
+wait. The result is read once the event has completed: at the group's next op,
+in ``Work.wait``, in ``destroy_group``, or by the watchdog within a few
+milliseconds, whichever comes first. The signature's allreduce is its own NCCL
+call, so it completes even when the op after it hangs; a mismatch then names the
+fields that differ rather than ending in a bare timeout.
+
+Nothing of this runs during CUDA-graph capture. A group with ``COLLECTIVE_NCCL_CHECK=0``
+in its environment skips the check.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from collective import signature
+from collective.groups.nccl.cuda import NOT_READY
+from collective.types import ArgumentValueError, CollectiveError, ReduceOp
+
+CHECK_ENV = "COLLECTIVE_NCCL_CHECK"
+"""Environment variable that turns the mismatch check off when set to 0."""
+
+FIELDS = len(signature.blank("allreduce", 0))
+"""The signature words an NCCL op's check compares: the fixed part of its signature."""
+
+WORDS = FIELDS + 1
+"""Words per rank: a hash of the whole signature, then its fields."""
+
+SLOTS = 64
+"""Results in flight per group and GPU before the oldest must have been read."""
+
+_INT64, _MAX, _D2H = 4, 2, 2
+"""``ncclInt64``, ``ncclMax``, ``cudaMemcpyDeviceToHost``."""
+
+_NAMES = (
+    ["op", "dtype", "shape", "shape"]
+    + ["shape"] * (signature._ROOT - signature._DIMS)
+    + ["root", "reduce op", "list length", "argument error", "argument error"]
+)
+"""The field each signature word belongs to."""
+
+
+def enabled() -> bool:
+    """Return whether this process's NCCL groups check each op's signature (the default)."""
+    raw = os.environ.get(CHECK_ENV, "1").strip().lower()
+    if raw not in {"0", "1", "false", "true", "no", "yes", "off", "on"}:
+        raise ArgumentValueError(f"{CHECK_ENV} must be 0 or 1, got {raw!r}")
+    return raw in {"1", "true", "yes", "on"}
+
+
+def words(op: str, x: Any, root: int, reduce_op: ReduceOp | None) -> np.ndarray:
+    """Return ``[h, w..., -h, -w...]``: the signature ``w`` of ``op`` on ``x`` and its hash."""
+    fields = signature.of_call(op, 0, x, root, reduce_op)[:FIELDS]
+    digest = zlib.crc32(np.asarray(fields, dtype=np.int64).tobytes())
+    mine = np.asarray([digest, *fields], dtype=np.int64)
+    return np.concatenate([mine, -mine])
+
+
+def differences(found: np.ndarray) -> list[str]:
+    """Return a line per field on which the ranks disagree, from a slot's reduced words."""
+    high, low = found[1:WORDS], -found[WORDS + 1 :]
+    lines: dict[str, str] = {}
+    for i, name in enumerate(_NAMES):
+        if high[i] == low[i] or name in lines:
+            continue
+        if name == "op":
+            shown = f"{signature.OPS[low[i]]} .. {signature.OPS[high[i]]}"
+        elif name == "dtype" and low[i] >= 0:
+            shown = f"{signature.DTYPE_NAMES[low[i]]} .. {signature.DTYPE_NAMES[high[i]]}"
+        elif name == "shape":
+            shown = "differs"
+        else:
+            shown = f"{low[i]} .. {high[i]}"
+        lines[name] = f"{name}: {shown}"
+    return list(lines.values()) or ["the signature hash"]
+
+
+class Check:
+    """One group's signature checks on one GPU: the ring of results and their events."""
+
+    def __init__(self, cupy: Any, device: int) -> None:
+        """Allocate the ring on GPU ``device`` and in pinned host memory."""
+        cuda = cupy.cuda
+        self._cuda = cuda
+        size = SLOTS * 2 * WORDS
+        with cuda.Device(device):
+            self._ring = cupy.empty(size, dtype=np.int64)  # no kernel: written before read
+            self._events = [cuda.Event(disable_timing=True) for _ in range(SLOTS)]
+        self._pinned = cuda.alloc_pinned_memory(size * 8)
+        self._host = np.frombuffer(self._pinned, dtype=np.int64, count=size)
+        self._words = self._host.data
+        self._ring_ptr = int(self._ring.data.ptr)
+        self._host_ptr = int(self._pinned.ptr)
+        self._next = 0
+        self._pending: deque[tuple[int, str]] = deque()
+
+    def issue(self, op: str, send: Any, comm: Any, stream: int) -> None:
+        """Queue the allreduce of ``send`` (the op's words) and the copy of its result.
+
+        Raises:
+            CollectiveError: the slot to reuse has not been read: 64 ops are in flight.
+
+        """
+        slot = self._next
+        if len(self._pending) == SLOTS:
+            raise CollectiveError(
+                f"{SLOTS} NCCL ops are in flight on one GPU and the oldest has not finished"
+            )
+        self._next = (slot + 1) % SLOTS
+        offset = slot * 2 * WORDS * 8
+        count = 2 * WORDS
+        comm.allReduce(send, self._ring_ptr + offset, count, _INT64, _MAX, stream)
+        runtime = self._cuda.runtime
+        runtime.memcpyAsync(
+            self._host_ptr + offset, self._ring_ptr + offset, count * 8, _D2H, stream
+        )
+        runtime.eventRecord(self._events[slot].ptr, stream)
+        self._pending.append((slot, op))
+
+    def read(self) -> str | None:
+        """Read every finished result in order; return the first mismatch's message, if any.
+
+        Raises:
+            RuntimeError: CUDA reports an error for an event.
+
+        """
+        pending = self._pending
+        runtime = self._cuda.runtime
+        while pending:
+            slot, op = pending[0]
+            status = runtime.eventQuery(self._events[slot].ptr)
+            if status:
+                if status == NOT_READY:
+                    return None
+                raise runtime.CUDARuntimeError(status)
+            pending.popleft()
+            base = slot * 2 * WORDS
+            if self._words[base] != -self._words[base + WORDS]:
+                found = self._host[base : base + 2 * WORDS]
+                return f"{op}: the ranks called different ops or arguments; " + "; ".join(
+                    differences(found)
+                )
+        return None
+
+    def oldest(self) -> str:
+        """Return the op of the oldest result not yet read."""
+        return self._pending[0][1] if self._pending else "nccl signature check"
+
+    def events(self) -> list[Any]:
+        """Return the events of the results not yet read."""
+        return [self._events[slot] for slot, _ in self._pending]

@@ -1,0 +1,250 @@
+"""How an NCCLGroup runs an op: its cached launch, blocking on the caller's stream or async.
+
+Launches: an op's first call with a given signature (see ``launch``) checks and
+describes its buffers, makes its communicators if new, and builds its launch, which
+the group keeps; a repeated call looks it up and issues it. A group runs one op at a
+time, under its op lock, so that ops issued from several threads never interleave
+their NCCL calls. A launch of several calls issues them between one ``groupStart``
+and ``groupEnd``, so no code of ours that could raise runs inside the NCCL group;
+should a call fail there all the same, the NCCL group is discarded
+(``nccl_comm.discard_group``), so no peer is left waiting for half an op, and the
+group fails: its communicators are aborted. A failure, an abort or a destroy drops
+the launches.
+
+Streams: a blocking op (``async_op`` False) runs on the caller's current stream
+(torch's for torch tensors, cupy's for cupy arrays), as NCCL's own API does: no
+stream, event or device switch of ours, so the caller's later work on that stream
+sees the result, and the op can be captured in a CUDA graph. The watchdog (see
+``watchdog``) watches it against its timeout through one reusable event per stream.
+An async op runs on a per-device comm stream, taken from the process's
+``cuda.STREAMS`` and never destroyed (see ``StreamPool`` for why), that first waits
+on an event recorded on the caller's current stream; after the op an event is
+recorded on the comm stream, both from the group's pool. ``Work.wait`` polls that
+event up to the timeout, then orders the caller's current stream after it. The
+group holds an async op's buffers until its event has completed and records the
+comm stream's use of torch tensors with torch's caching allocator, so freeing an
+input early is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from collective import tensor
+from collective.groups.nccl.base import Builder, NCCLGroupBase
+from collective.groups.nccl.cuda import NcclWork, follow, record, settled
+from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
+from collective.types import CollectiveError, ReduceOp
+from collective.work import Work
+
+
+class NcclRunning(NCCLGroupBase):
+    """Runs each op through its cached launch; ``p2p`` and ``group`` describe the ops."""
+
+    def _event(self, device: int) -> Any:
+        """Return a free event of GPU ``device`` from the group's pool, made if none is free."""
+        free = self._events.get(device)
+        if free:
+            return free.pop()
+        with self._cuda.Device(device):
+            return self._cuda.Event(disable_timing=True)
+
+    def _give_back(self, device: int, events: Sequence[Any]) -> None:
+        """Return ``events`` of GPU ``device`` to the pool: every wait on them is queued."""
+        self._events.setdefault(device, []).extend(events)
+
+    def _op(
+        self,
+        op: str,
+        options: Any,
+        buffers: Sequence[Any],
+        anchors: Sequence[Any],
+        extra: tuple[Any, ...],
+        builder: Builder,
+        signed: tuple[int, ReduceOp | None] | None = None,
+    ) -> Work:
+        """Run ``op`` through its cached launch, building it on the first call of its signature.
+
+        ``buffers`` holds every caller buffer the op reads or writes, ``anchors`` one
+        per device, whose current streams the op runs on (or follows); ``extra`` the
+        arguments besides the buffers that change the calls (root, reduction);
+        ``signed`` the root and reduction of a collective whose signature the ranks
+        compare (see ``mismatch``), None for an op they do not.
+        """
+        key = (
+            op,
+            options.async_op,
+            extra,
+            tuple(map(tensor.buffer_key, buffers)),
+            tuple(map(tensor.current_stream, anchors)),
+        )
+        timeout = options.timeout or self.timeout
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._build(key, op, options.async_op, timeout, builder, signed)
+        if options.async_op:
+            return self._run_async(launch, timeout, anchors, buffers)
+        self._run(launch, timeout)
+        return DONE
+
+    def _build(
+        self,
+        key: tuple[Any, ...],
+        op: str,
+        async_op: bool,
+        timeout: timedelta,
+        builder: Builder,
+        signed: tuple[int, ReduceOp | None] | None,
+    ) -> Launch:
+        """Check the buffers, make the communicators if new, and build (and keep) the launch.
+
+        A launch built while its stream captures a CUDA graph allocates nothing: it has
+        no marker and no signature check, and it is not kept (a later call outside the
+        capture builds one that has both).
+        """
+        anchors, communicators, plan = builder()
+        devices = tuple(tensor.cuda_buffer(a, "tensor").device for a in anchors)
+        with self._op_lock:
+            self._check_usable(self._destroyed)
+            try:
+                comms = communicators(timeout)
+                if async_op:
+                    streams = tuple(self._stream(d) for d in devices)
+                else:
+                    streams = tuple(key[4])
+                capturing = not async_op and self._watch.capturing(streams[0])
+                markers = tuple(
+                    self._watch.marker(s, d)
+                    for s, d in zip(streams, devices, strict=True)
+                    if not capturing
+                )
+                check = None
+                if signed is not None and self._checking and len(devices) == 1 and not capturing:
+                    first = (anchors[0], devices[0], comms[0], streams[0])
+                    check = self._signed(op, *first, *signed)
+                launch = build(op, devices, comms, streams, plan, markers, check)
+            except Exception as exc:
+                raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
+            if None not in key[3] and not capturing:
+                with self._lock:
+                    if self._open:
+                        if len(self._launches) >= LAUNCHES_KEPT:
+                            self._launches.pop(next(iter(self._launches)))
+                        self._launches[key] = launch
+        return launch
+
+    def _run(self, launch: Launch, timeout: timedelta) -> None:
+        """Issue a blocking op's launch on the caller's streams; the watchdog watches it.
+
+        Outside capture, the op's signature check reads the last finished result of
+        its ring first, then goes just ahead of the op.
+        """
+        with self._op_lock:
+            if not self._open:
+                self._check_usable(self._destroyed)
+            capturing = self._watch.capturing(launch.streams[0])
+            signed, single = launch.signed, launch.single
+            try:
+                if signed is not None and not capturing:
+                    found = signed.check.read()
+                    if found is not None:
+                        raise self._mismatched(found)
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
+                if single is not None:
+                    single[0](*single[1])
+                else:
+                    launch.issue(self._nccl, self._cuda)
+            except Exception as exc:
+                raise self._fail(launch.op, timeout, exc) from exc
+            if not capturing:
+                for marker in launch.markers:
+                    self._watch.issued(marker, launch.op, timeout)
+
+    def _run_async(
+        self, launch: Launch, timeout: timedelta, anchors: Sequence[Any], buffers: Sequence[Any]
+    ) -> Work:
+        """Issue an async op's launch on the comm streams, after the callers' streams."""
+        cuda = self._cuda
+        callers = [tensor.current_stream(a) for a in anchors]
+        with self._op_lock:
+            if not self._open:
+                self._check_usable(self._destroyed)
+            if self._checks:
+                found = self._mismatch()
+                if found is not None:
+                    raise found
+            signed = launch.signed
+            try:
+                ready = [self._event(d) for d in launch.devices]
+                for device, event, stream, caller in zip(
+                    launch.devices, ready, launch.streams, callers, strict=True
+                ):
+                    with cuda.Device(device):
+                        record(cuda, event, caller)
+                        follow(cuda, stream, event)
+                if signed is not None:
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
+                launch.issue(self._nccl, cuda)
+                done = [self._event(d) for d in launch.devices]
+                for device, event, stream in zip(launch.devices, done, launch.streams, strict=True):
+                    with cuda.Device(device):
+                        record(cuda, event, stream)
+                by_device = dict(zip(launch.devices, launch.streams, strict=True))
+                for x in buffers:
+                    if len(by_device) == 1:
+                        tensor.record_stream(x, launch.streams[0])
+                    else:
+                        tensor.record_stream(x, by_device[tensor.cuda_buffer(x, "tensor").device])
+            except Exception as exc:
+                raise self._fail(launch.op, timeout, exc) from exc
+            for marker in launch.markers:
+                if not self._watch.capturing(marker.stream):
+                    self._watch.issued(marker, launch.op, timeout)
+            for device, event in zip(launch.devices, ready, strict=True):
+                self._give_back(device, [event])
+        with self._lock:
+            if len(self._inflight) > 8:
+                self._inflight = [e for e in self._inflight if not settled(cuda, e[0])]
+            self._inflight.append((done, list(buffers)))
+
+        def order_after() -> None:
+            for device, event, caller in zip(launch.devices, done, callers, strict=True):
+                with cuda.Device(device):
+                    follow(cuda, caller, event)
+            with self._op_lock:
+                for device, event in zip(launch.devices, done, strict=True):
+                    self._give_back(device, [event])
+
+        return NcclWork(
+            launch.op, cuda, done, self._all_comms(), order_after, self._fail, timeout, self._broken
+        )
+
+    def _broken(self) -> CollectiveError | None:
+        """Return the group's failure, if the watchdog, a signature check or an op found one."""
+        if self._checks and self._op_lock.acquire(timeout=self.timeout.total_seconds()):
+            try:
+                self._mismatch()
+            finally:
+                self._op_lock.release()
+        return self._error
+
+
+class _Done(Work):
+    """The ``Work`` of a blocking op: queued on the caller's stream, which orders what follows."""
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Return at once: later work on the caller's stream runs after the op."""
+
+    def is_completed(self) -> bool:
+        """Return True."""
+        return True
+
+    def exception(self) -> BaseException | None:
+        """Return None; a failure the watchdog finds fails the group's next call."""
+        return None
+
+
+DONE = _Done()
+"""The one ``Work`` every blocking op returns."""

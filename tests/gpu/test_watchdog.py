@@ -1,0 +1,67 @@
+"""The watchdog, the mismatch check and CUDA-graph capture on a GPU, at world size 2.
+
+A blocking op whose peer never calls leaves the caller's ``torch.cuda.synchronize``
+hanging until the watchdog aborts the group's communicators, within the timeout
+plus a few seconds, and the next call raises ``CollectiveTimeoutError``. Ranks that
+allreduce different counts both raise a ``CollectiveError`` naming the shape. An
+allreduce captured in a CUDA graph replays right on changing inputs. The ranks are
+processes on a torch TCPStore, sharing GPUs where there are fewer than ranks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from tests.gpu import cases, hangs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(cases.no_gpu_reason()), reason=cases.no_gpu_reason() or "-"),
+    pytest.mark.skipif(
+        not cases.no_gpu_reason() and not cases.torch_cuda(),
+        reason="these tests use torch CUDA tensors; this torch has no CUDA",
+    ),
+]
+
+TIMEOUT_S = 5.0
+SLACK_S = 10.0
+
+
+@contextmanager
+def _pool(timeout_s: float | None = None) -> Iterator[Any]:
+    """Yield two rank processes, each in one new NCCLGroup of timeout ``timeout_s``."""
+    from benchmarks.nccl_ranks import RankPool
+
+    with RankPool(2, timeout=timedelta(seconds=120)) as pool:
+        pool.run(cases.open_group, f"gpu-watch-{uuid.uuid4().hex[:8]}", timeout_s)
+        yield pool
+
+
+def test_a_peer_that_never_calls_ends_at_the_timeout_and_breaks_the_group() -> None:
+    with _pool(TIMEOUT_S) as pool:
+        results = pool.run(hangs.stall_on_rank, 1, timeout=timedelta(seconds=120))
+    took, error, message = results[0]
+    assert TIMEOUT_S - 1 <= took < TIMEOUT_S + SLACK_S, f"synchronize took {took:.1f} s"
+    assert error == "CollectiveTimeoutError", message
+    assert "allreduce" in message and "gpu-watch-" in message
+
+
+def test_ranks_that_allreduce_different_counts_both_raise() -> None:
+    with _pool(30.0) as pool:
+        results = pool.run(hangs.mismatch_on_rank, timeout=timedelta(seconds=120))
+    for rank, (error, message) in enumerate(results):
+        assert error == "CollectiveError", f"rank {rank}: {error} {message}"
+        assert "different ops or arguments" in message and "shape" in message, message
+
+
+def test_a_captured_allreduce_replays_right_on_changing_inputs() -> None:
+    with _pool() as pool:
+        seen = pool.run(hangs.capture_on_rank, 3, timeout=timedelta(seconds=120))
+    want = hangs.expected_replays(2, 3)
+    assert seen == [want, want]
