@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from collective import signature
+from collective import signature, tensor
 from collective.groups.base import BaseGroup
 from collective.tensor import TensorSpec, array_bytes, byte_array, copy_of, int64_array, to_host
 from collective.types import (
@@ -113,9 +113,25 @@ class CheckedGroup(BaseGroup):
         slots: list[int],
         timeout: timedelta | None,
         error: ArgumentError | None = None,
+        like: Any = None,
     ) -> None:
-        """Allgather ``slots`` over the group; raise the same error on every rank if they differ."""
-        agree(self._inner, op, slots, timeout, error)
+        """Allgather ``slots`` over the group; raise the same error on every rank if they differ.
+
+        ``like`` is a buffer of the call, next to which a GPU group's messages go.
+        """
+        agree(self._inner, op, slots, timeout, error, self._mover(like))
+
+    def _mover(self, like: Any) -> Callable[[Any], Any] | None:
+        """Return how a control message reaches this rank's GPU (None: it stays in numpy).
+
+        A GPU group moves only buffers on its GPU: the messages go where ``like``, a
+        buffer of the call, lies, or onto the current CUDA device.
+        """
+        if self._inner.device_type != "cuda":
+            return None
+        if like is None or not tensor.is_buffer(like) or not tensor.on_gpu(like):
+            like = tensor.empty("uint8", (0,), "cuda")
+        return lambda array: tensor.to_device(array, like)
 
     def _tensor_op(
         self,
@@ -127,7 +143,7 @@ class CheckedGroup(BaseGroup):
         count: int = signature.UNSET,
     ) -> None:
         slots = signature.of_call(op, self.world_size, x, root, reduce_op, count)
-        self._agree(op, slots, timeout)
+        self._agree(op, slots, timeout, like=x)
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Check, then reduce into every rank's tensor in place."""
@@ -198,7 +214,7 @@ class CheckedGroup(BaseGroup):
     ) -> Work:
         """Check the per-peer sizes, then exchange ``inputs[j]`` for ``outputs[j]``."""
         slots = signature.of_alltoall(self.world_size, outputs, inputs)
-        self._agree("alltoall", slots, options.timeout)
+        self._agree("alltoall", slots, options.timeout, like=next(iter(inputs), None))
         return self._inner.alltoall(outputs, inputs, options)
 
     def _swap(
@@ -213,10 +229,13 @@ class CheckedGroup(BaseGroup):
         """Swap signatures with ``peer``; raise the same error on both if they do not match."""
         slots = signature.of_call(op, self.world_size, x, root=peer)
         message = signature.mark_error(slots, error)
-        other = self._exchange(int64_array(slots), peer, sends_first, timeout).tolist()
+        move = self._mover(x) or (lambda array: array)
+        mine = move(int64_array(slots))
+        other = to_host(self._exchange(mine, peer, sends_first, timeout)).tolist()
         if signature.failed(slots) or signature.failed(other):
             width = max(1, signature.error_length(slots), signature.error_length(other))
-            theirs = self._exchange(byte_array(message, width), peer, sends_first, timeout)
+            sent = move(byte_array(message, width))
+            theirs = to_host(self._exchange(sent, peer, sends_first, timeout))
             signatures = [signature.blank(op, self.world_size) for _ in range(self.world_size)]
             messages = [b""] * self.world_size
             signatures[self.rank], messages[self.rank] = slots, message

@@ -66,6 +66,48 @@ def mismatch_on_rank(context: RankContext) -> tuple[str, str]:
     return _next_op(group, device)
 
 
+def checked_on_rank(context: RankContext) -> list[tuple[str, str]]:
+    """Run allreduces, a barrier and a send/recv through ``CheckedGroup`` (``check_args=True``).
+
+    Returns, per call: the error's type and message ("", "" when it returned), and
+    for the matched allreduce the sum it wrote. The mismatched calls must raise the
+    same argument error on every rank before any data moves, and leave the group usable.
+    """
+    import torch
+
+    from collective.checked import CheckedGroup
+    from collective.types import BarrierOptions, RecvOptions, SendOptions
+
+    group = CheckedGroup(cases._GROUPS[0])
+    device = f"cuda:{cases.gpu_of(context.rank)}"
+    out: list[tuple[str, str]] = []
+
+    def attempt(call: Any) -> None:
+        try:
+            call()
+            torch.cuda.synchronize(device)
+        except Exception as exc:
+            out.append((type(exc).__name__, str(exc)))
+            return
+        out.append(("", ""))
+
+    x = torch.ones(8 + context.rank, device=device)
+    attempt(lambda: group.allreduce([x], AllReduceOptions()))
+    out.append(("values", str(x.tolist())))
+    y = torch.full((4,), float(context.rank + 1), device=device)
+    attempt(lambda: group.allreduce([y], AllReduceOptions()))
+    out.append(("values", str(y.tolist())))
+    attempt(lambda: group.barrier(BarrierOptions()))
+    z = torch.full((3,), 5.0, device=device)
+    if context.rank == 0:
+        attempt(lambda: group.send([z], SendOptions(1)))
+    else:
+        w = torch.zeros(4, device=device)
+        attempt(lambda: group.recv([w], RecvOptions(0)))
+        out.append(("values", str(w.tolist())))
+    return out
+
+
 def capture_on_rank(context: RankContext, replays: int) -> list[list[float]]:
     """Capture a blocking allreduce in a CUDA graph; replay it on changing inputs.
 

@@ -4,7 +4,8 @@ A blocking op whose peer never calls leaves the caller's ``torch.cuda.synchroniz
 hanging until the watchdog aborts the group's communicators, within the timeout
 plus a few seconds, and the next call raises ``CollectiveTimeoutError``. Ranks that
 allreduce different counts both raise a ``CollectiveError`` naming the shape. An
-allreduce captured in a CUDA graph replays right on changing inputs. The ranks are
+allreduce captured in a CUDA graph replays right on changing inputs. A group with
+``check_args`` raises the same argument error on every rank for a mismatched call. The ranks are
 processes on a torch TCPStore, sharing GPUs where there are fewer than ranks.
 """
 
@@ -65,3 +66,18 @@ def test_a_captured_allreduce_replays_right_on_changing_inputs() -> None:
         seen = pool.run(hangs.capture_on_rank, 3, timeout=timedelta(seconds=120))
     want = hangs.expected_replays(2, 3)
     assert seen == [want, want]
+
+
+def test_check_args_on_nccl_raises_the_same_argument_error_on_every_rank() -> None:
+    with _pool(30.0) as pool:
+        results = pool.run(hangs.checked_on_rank, timeout=timedelta(seconds=120))
+    for rank, out in enumerate(results):
+        (error, message), (_, before), (matched, _), (_, summed), (barrier, _) = out[:5]
+        assert error == "ArgumentValueError", f"rank {rank}: {error} {message}"
+        assert "different arguments" in message and "shape" in message, message
+        assert before == str([1.0] * (8 + rank)), "the mismatched allreduce wrote"
+        assert matched == "" and summed == str([3.0] * 4), (rank, out)
+        assert barrier == "", (rank, out)
+        sent = out[5]
+        assert sent[0] == "ArgumentValueError" and "different arguments" in sent[1], sent
+    assert results[1][6] == ("values", str([0.0] * 4)), "the mismatched recv wrote"
