@@ -46,6 +46,7 @@ from collective.tensor.memory import (
 )
 from collective.tensor.packing import (
     ITEMSIZE,
+    Batch,
     Staging,
     as_bytes,
     empty,
@@ -69,6 +70,7 @@ __all__ = [
     "SAME",
     "CpuBuffer",
     "CudaBuffer",
+    "Batch",
     "Staging",
     "TensorSpec",
     "aliasing",
