@@ -22,7 +22,7 @@ from collective import tensor
 from collective.bulk.plan import Step, staging_bytes
 from collective.bulk.turns import AGREEMENT_OPS, Turn
 from collective.groups.base import BaseGroup
-from collective.tensor import ITEMSIZE, Staging
+from collective.tensor import ITEMSIZE, Batch, Staging
 from collective.types import (
     AllReduceOptions,
     BroadcastOptions,
@@ -124,20 +124,20 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
     slots: list[Staging] = []
     free: list[int] = []
     size = staging_bytes([s for s in moves.steps if _in_place(moves, s) is None])
-    pending: deque[tuple[Work, int | None, list[tuple[int, Any]]]] = deque()
+    pending: deque[tuple[Work, int | None, Batch | None]] = deque()
 
     def finish() -> None:
-        work, slot, items = pending.popleft()
+        work, slot, batch = pending.popleft()
         work.wait()
-        if slot is not None:
+        if slot is not None and batch is not None:
             if moves.writes:
-                halt.writing(lambda: slots[slot].unpack(items))
+                halt.writing(lambda: slots[slot].unpack(batch))
             free.append(slot)
 
     cpu = moves.group.device_type == "cpu"
     for step in moves.steps:
         buffer = _in_place(moves, step)
-        slot, items = None, []
+        slot, batch = None, None
         blocking = cpu and buffer is not None
         if buffer is None:
             if not free and len(slots) == DEPTH:
@@ -147,16 +147,16 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
                 slots.append(Staging(moves.like, size))
                 free.append(len(slots) - 1)
             slot = free.pop()
-            items = _items(moves, step)
+            batch = Batch(_items(moves, step))
             if moves.reads:
-                slots[slot].pack(items)
+                slots[slot].pack(batch)
             staging = slots[slot]
             if step.dtype is None:
                 buffer = staging.bytes(0, step.nbytes)
             else:
                 buffer = staging.typed(0, step.nbytes // ITEMSIZE[step.dtype], step.dtype)
         halt.check()
-        pending.append((_issue(moves, buffer, not blocking), slot, items))
+        pending.append((_issue(moves, buffer, not blocking), slot, batch))
         if len(pending) > DEPTH:
             finish()
     while pending:

@@ -47,6 +47,7 @@ from collective.tensor.memory import (
 )
 from collective.tensor.packing import (
     ITEMSIZE,
+    Batch,
     Staging,
     as_bytes,
     empty,
@@ -70,6 +71,7 @@ __all__ = [
     "SAME",
     "CpuBuffer",
     "CudaBuffer",
+    "Batch",
     "Staging",
     "TensorSpec",
     "aliasing",

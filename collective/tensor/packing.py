@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -196,66 +198,125 @@ class Staging:
         return self._as_torch()[offset : offset + n].view(getattr(torch, dtype))
 
     def _like(self, x: Any, offset: int) -> Any:
-        """Return the staging's bytes at ``offset`` as a view of ``x``'s dtype and shape."""
-        if is_torch(x):
-            staged = self._as_torch() if self._array is not None else self._torch
-            n = x.numel() * x.element_size()
-            return staged[offset : offset + n].view(x.dtype).view(x.shape)
+        """Return the staging's bytes at ``offset`` as a view of numpy or cupy ``x``'s shape."""
         n = x.size * x.dtype.itemsize
         return self._array[offset : offset + n].view(x.dtype).reshape(x.shape)
 
-    def pack(self, items: Sequence[Item]) -> None:
-        """Copy each buffer of ``items`` into the staging at its offset; the buffers are read."""
-        self._copy(items, into_staging=True)
+    def pack(self, batch: Batch | Sequence[Item]) -> None:
+        """Copy each buffer of ``batch`` into the staging at its offset; the buffers are read."""
+        self._copy(batch if isinstance(batch, Batch) else Batch(batch), into_staging=True)
 
-    def unpack(self, items: Sequence[Item]) -> None:
-        """Copy the staging's bytes at each offset of ``items`` into its buffer, in place."""
-        self._copy(items, into_staging=False)
+    def unpack(self, batch: Batch | Sequence[Item]) -> None:
+        """Copy the staging's bytes at each offset of ``batch`` into its buffer, in place."""
+        self._copy(batch if isinstance(batch, Batch) else Batch(batch), into_staging=False)
 
-    def _copy(self, items: Sequence[Item], into_staging: bool) -> None:
-        """Copy between the staging and ``items``: contiguous torch buffers in one batch.
+    def _copy(self, batch: Batch, into_staging: bool) -> None:
+        """Copy between the staging and ``batch``: one ``torch._foreach_copy_`` per run."""
+        if batch.runs:
+            torch = sys.modules["torch"]
+            staged = self._as_torch() if self._array is not None else self._torch
+            with torch.no_grad():
+                for run in batch.runs:
+                    views = run.views(staged)
+                    target, source = (views, run.tensors) if into_staging else (run.tensors, views)
+                    torch._foreach_copy_(target, source)
+        for offset, x in batch.rest:
+            staged = self._like(x, offset)
+            target, source = (staged, x) if into_staging else (x, staged)
+            _copy_array(target, source)
 
-        The offsets of ``items`` increase, as a plan lays them out.
+
+@dataclass(frozen=True)
+class _Run:
+    """Torch tensors of one dtype in increasing order, within bytes ``[start, stop)`` of a staging.
+
+    ``shapes`` are the tensors with, between two of them that are not adjacent, a
+    tensor of no memory as long as the gap; ``select`` picks the tensors' views out of
+    the views of ``shapes`` (None when there are no gaps).
+    """
+
+    start: int
+    stop: int
+    dtype: Any
+    tensors: list[Any]
+    shapes: list[Any]
+    select: Callable[[Any], Any] | None
+
+    def views(self, staged: Any) -> Any:
+        """Return views of ``staged`` (flat ``uint8``), one shaped like each tensor at its place."""
+        flat = staged[self.start : self.stop].view(self.dtype)
+        views = _unflatten(flat, self.shapes)
+        return self.select(views) if self.select is not None else views
+
+
+class Batch:
+    """The buffers that one op packs into a staging buffer, sorted once for copies in C.
+
+    Torch tensors, and numpy arrays as torch views of their memory, fall into one run
+    per dtype: ``Staging.pack`` and ``unpack`` copy a run with one
+    ``torch._foreach_copy_`` between its tensors and views of the staging shaped like
+    them, which ``unflatten_dense_tensors`` cuts in one call, so no Python runs per
+    tensor. Other buffers (cupy arrays, numpy arrays torch cannot view) are copied one
+    by one. A bulk call builds one per bucket and reuses it to unpack.
+    """
+
+    def __init__(self, items: Sequence[Item]) -> None:
+        """Sort ``items``, whose offsets increase and are multiples of their element size.
+
+        Raises:
+            ValueError: an offset overlaps the previous buffer of its dtype, or is not
+                a multiple of its element size.
+
         """
-        torch: Any = sys.modules.get("torch")
-        tensor_type = torch.Tensor if torch is not None else ()
-        theirs, spans = [], []
+        torch = _torch()
+        self.rest: list[Item] = []
+        by_dtype: dict[Any, list[tuple[int, Any]]] = {}
         for offset, x in items:
-            if isinstance(x, tensor_type):
-                n = x.numel() * x.element_size()
-                if n == 0:
-                    continue
-                if x.is_contiguous():
-                    one_dim = x.dim() == 1 and x.stride(0) == 1
-                    theirs.append(x.view(torch.uint8) if one_dim else as_bytes(x))
-                    spans.append((offset, n))
-                    continue
-                staged = self._like(x, offset)
-                if into_staging:
-                    staged.copy_(x)
-                else:
-                    x.copy_(staged)
-            elif x.size:
-                staged = self._like(x, offset)
-                target, source = (staged, x) if into_staging else (x, staged)
-                _copy_array(target, source)
-        if theirs:
-            ours = self._parts(spans)
-            target, source = (ours, theirs) if into_staging else (theirs, ours)
-            _copy_tensors(target, source)
+            t = _as_torch(torch, x)
+            if t is None:
+                self.rest.append((offset, x))
+            elif t.numel():
+                by_dtype.setdefault(t.dtype, []).append((offset, t))
+        nothing = torch.empty(())
+        self.runs = [_run(dtype, pairs, nothing) for dtype, pairs in by_dtype.items()]
 
-    def _parts(self, spans: list[tuple[int, int]]) -> list[Any]:
-        """Return torch views of the staging's bytes at each ``(offset, nbytes)``, made at once."""
-        sizes, keep, position = [], [], 0
-        for offset, n in spans:
-            if offset > position:
-                sizes.append(offset - position)
-            keep.append(len(sizes))
-            sizes.append(n)
-            position = offset + n
-        staged = self._as_torch() if self._array is not None else self._torch
-        parts = staged[:position].split_with_sizes(sizes)
-        return [parts[k] for k in keep]
+
+def _run(dtype: Any, pairs: list[tuple[int, Any]], nothing: Any) -> _Run:
+    """Return the run of torch tensors ``pairs`` of ``dtype`` at their byte offsets.
+
+    A gap is an expansion of 0-d tensor ``nothing``, which takes no memory.
+    """
+    size = pairs[0][1].element_size()
+    shapes: list[Any] = []
+    keep: list[int] = []
+    end = pairs[0][0]
+    for offset, t in pairs:
+        if offset < end or offset % size:
+            raise ValueError(f"a {dtype} buffer at byte {offset}: expected a multiple of {size} from {end}")
+        if offset > end:
+            shapes.append(nothing.expand((offset - end) // size))
+        keep.append(len(shapes))
+        shapes.append(t)
+        end = offset + t.numel() * size
+    select = itemgetter(*keep) if len(keep) < len(shapes) else None
+    return _Run(pairs[0][0], end, dtype, [t for _, t in pairs], shapes, select)
+
+
+def _as_torch(torch: Any, x: Any) -> Any | None:
+    """Return ``x`` as a torch tensor: itself, a view of a numpy array's memory, or None."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        try:
+            return torch.from_numpy(_writable(x))
+        except (TypeError, ValueError):  # negative strides, or strides across elements
+            return None
+    return None
+
+
+def _unflatten(flat: Any, tensors: list[Any]) -> Any:
+    """Return views of 1-D ``flat``, in order, each shaped like the tensor at its place."""
+    return sys.modules["torch"]._C._nn.unflatten_dense_tensors(flat, tensors)
 
 
 def _copy_array(target: Any, source: Any) -> None:
@@ -264,14 +325,3 @@ def _copy_array(target: Any, source: Any) -> None:
         np.copyto(target, source)
     else:
         target[...] = source
-
-
-def _copy_tensors(targets: list[Any], sources: list[Any]) -> None:
-    """Copy each torch tensor of ``sources`` into the one of ``targets`` at its place."""
-    torch = sys.modules["torch"]
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(targets, sources)
-        return
-    for target, source in zip(targets, sources, strict=True):
-        target.copy_(source)
