@@ -123,8 +123,7 @@ def python_calls() -> Iterator[list[int]]:
 
 def test_packing_two_thousand_tensors_runs_no_python_per_tensor() -> None:
     xs = [
-        torch.randn(4, 8).to(torch.bfloat16 if i % 3 == 0 else torch.float32)
-        for i in range(2000)
+        torch.randn(4, 8).to(torch.bfloat16 if i % 3 == 0 else torch.float32) for i in range(2000)
     ]
     xs[5] = xs[5].t()
     items, nbytes = laid_out(xs)

@@ -292,7 +292,9 @@ def _run(dtype: Any, pairs: list[tuple[int, Any]], nothing: Any) -> _Run:
     end = pairs[0][0]
     for offset, t in pairs:
         if offset < end or offset % size:
-            raise ValueError(f"a {dtype} buffer at byte {offset}: expected a multiple of {size} from {end}")
+            raise ValueError(
+                f"a {dtype} buffer at byte {offset}: expected a multiple of {size} from {end}"
+            )
         if offset > end:
             shapes.append(nothing.expand((offset - end) // size))
         keep.append(len(shapes))
