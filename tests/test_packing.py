@@ -88,14 +88,16 @@ def test_unpack_writes_read_only_arrays_and_parameters_in_place() -> None:
     parameter = torch.nn.Parameter(torch.zeros(3, 4))
     frozen = np.zeros((2, 5), dtype=np.float32)
     frozen.flags.writeable = False
-    source = [torch.arange(12.0).reshape(3, 4), np.arange(10, dtype=np.float32).reshape(2, 5)]
+    matrix = torch.arange(12.0).reshape(3, 4)
+    array = np.arange(10, dtype=np.float32).reshape(2, 5)
+    source: list[Any] = [matrix, array]
     items, nbytes = laid_out(source)
     staging = Staging(source[0], nbytes)
     staging.pack(items)
     staging.unpack([(items[0][0], parameter), (items[1][0], frozen)])
-    assert torch.equal(parameter.detach(), source[0])
+    assert torch.equal(parameter.detach(), matrix)
     assert parameter.requires_grad and parameter.grad_fn is None
-    assert np.array_equal(frozen, source[1])
+    assert np.array_equal(frozen, array)
 
 
 def test_offsets_that_overlap_or_break_alignment_raise() -> None:
