@@ -49,6 +49,26 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+_TORCH_NAMES: dict[Any, str] = {}
+_DEVICE_NAMES: dict[Any, str] = {}
+
+
+def _torch_name(dtype: Any) -> str:
+    """Return the name of the torch ``dtype``, e.g. ``"bfloat16"``; looked up once per dtype."""
+    name = _TORCH_NAMES.get(dtype)
+    if name is None:
+        name = _TORCH_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device_name(device: Any) -> str:
+    """Return a torch device as ``spec`` names it, e.g. ``"cuda:0"``; looked up once per device."""
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
 def is_torch(x: Any) -> bool:
     """Return whether ``x`` is a torch tensor, without importing torch for the answer.
 
@@ -80,8 +100,7 @@ def spec(x: Any, name: str) -> TensorSpec:
         if not x.dtype.isnative:
             raise ArgumentTypeError(f"{name} must have native byte order, got {x.dtype.str}")
     elif is_torch(x):
-        kind, shape, device = "torch", tuple(x.shape), str(x.device)
-        dtype = str(x.dtype).removeprefix("torch.")
+        kind, shape, device, dtype = "torch", x.shape, _device_name(x.device), _torch_name(x.dtype)
     elif is_cupy(x):
         kind, shape, dtype = "cupy", tuple(x.shape), dtype_name(x.dtype)
         device = f"cuda:{x.device.id}"

@@ -159,11 +159,20 @@ class CpuGroup(CpuGroupBase):
             return super().broadcast_list(tensors, options)
         root = options.root_rank
         writes = self.rank != root
-        bufs = [CpuBuffer(t, f"tensors[{i}]", writes) for i, t in enumerate(tensors)]
+        datas: list[np.ndarray] = []
+        staged: list[CpuBuffer] = []
+        for i, t in enumerate(tensors):
+            flat = plain_flat(t)
+            if flat is None:
+                buf = CpuBuffer(t, f"tensors[{i}]", writes)
+                staged.append(buf)
+                datas.append(buf.bytes)
+            else:
+                datas.append(flat.view(np.uint8))
 
         def body(deadline: float) -> None:
-            plan.broadcast_list(bufs, root, deadline)
-            commit_all(bufs)
+            plan.broadcast_list(datas, root, deadline)
+            commit_all(staged)
 
         return self._submit("broadcast", options, body)
 

@@ -88,9 +88,9 @@ class Flat:
         """Copy ``root``'s ``buf`` into every other rank's."""
         self.local.broadcast(buf.bytes, root, buf.dtype, deadline)
 
-    def broadcast_list(self, bufs: list[CpuBuffer], root: int, deadline: float) -> None:
-        """Copy ``root``'s ``bufs`` into every other rank's, as one message."""
-        self.local.broadcast_list([b.bytes for b in bufs], root, deadline)
+    def broadcast_list(self, datas: list[np.ndarray], root: int, deadline: float) -> None:
+        """Copy ``root``'s ``datas`` (flat byte views) into every other rank's, as one message."""
+        self.local.broadcast_list(datas, root, deadline)
 
     def allgather(self, source: CpuBuffer, outputs: list[CpuBuffer], deadline: float) -> None:
         """Write rank i's ``source`` into ``outputs[i]`` on every rank."""
