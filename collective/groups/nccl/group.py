@@ -67,42 +67,34 @@ class NCCLGroup(NcclPointToPoint):
 
     def allreduce_now(self, x: Any, op: Any) -> bool:
         """Run a blocking allreduce whose launch is cached; False, doing nothing, on a miss."""
-        try:
-            key = (
-                "allreduce",
-                False,
-                (op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op],),
-                (tensor.buffer_key(x),),
-                (tensor.current_stream(x),),
-            )
-            launch = self._launches.get(key)
-        except (KeyError, TypeError, AttributeError):
+        try:  # the hottest call: the op's value is read inline
+            extra = (op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op],)
+        except (KeyError, TypeError):
             return False
-        if launch is None:
-            return False
-        self._run(launch, self._timeout)
-        return True
+        return self._cached("allreduce", extra, x)
 
     def reduce_now(self, x: Any, op: Any, root: Any) -> bool:
         """Run a blocking reduce whose launch is cached; False, doing nothing, on a miss."""
         try:
             extra = (_op_value(op), root, 0) if type(root) is int else None
-            key = ("reduce", False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
-            launch = self._launches.get(key)
-        except (KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError):
             return False
-        if launch is None:
-            return False
-        self._run(launch, self._timeout)
-        return True
+        return self._cached("reduce", extra, x)
 
     def broadcast_now(self, x: Any, root: Any) -> bool:
         """Run a blocking broadcast whose launch is cached; False, doing nothing, on a miss."""
+        return self._cached("broadcast", (root, 0) if type(root) is int else None, x)
+
+    def _cached(self, op: str, extra: Any, x: Any) -> bool:
+        """Run the cached blocking launch of ``op`` on ``x`` with ``extra``; False on a miss.
+
+        The key is the one ``_op`` files the launch under, for one buffer on the
+        caller's current stream; a buffer it cannot describe is a miss too.
+        """
         try:
-            extra = (root, 0) if type(root) is int else None
-            key = ("broadcast", False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
+            key = (op, False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
             launch = self._launches.get(key)
-        except (TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError):
             return False
         if launch is None:
             return False

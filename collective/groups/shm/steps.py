@@ -172,7 +172,7 @@ class Steps:
         self._nbytes = 0
         self._key: tuple[str, str, int, int] = ("barrier", "", -1, -1)
         self._whole = False
-        self._words: dict[tuple[str, str, int, int], int] = {}
+        self._words: dict[tuple[tuple[str, str, int, int], bool], int] = {}
 
     @property
     def others(self) -> list[int]:
@@ -192,15 +192,15 @@ class Steps:
         A group that spans nodes runs each op in stages; this signature, which no
         stage carries, lets the node's ranks compare the op they were called with.
         """
-        self.begin_signed((kind, dtype, reduce_op, root), 0, nbytes)
-        self._sig = Signature(kind, dtype, reduce_op, root, nbytes, whole=True).word()
+        key = (kind, dtype, reduce_op, root)
+        self.begin_signed(key, self.signature_word(key, whole=True), nbytes)
         self._whole = True
 
-    def signature_word(self, key: tuple[str, str, int, int]) -> int:
-        """Return ``Signature(*key).word()``, packed once per key."""
-        word = self._words.get(key)
+    def signature_word(self, key: tuple[str, str, int, int], whole: bool = False) -> int:
+        """Return ``Signature(*key, whole=whole).word()``, packed once per key."""
+        word = self._words.get((key, whole))
         if word is None:
-            word = self._words[key] = Signature(*key).word()
+            word = self._words[(key, whole)] = Signature(*key, whole=whole).word()
         return word
 
     def begin_signed(self, key: tuple[str, str, int, int], word: int, nbytes: int) -> None:
