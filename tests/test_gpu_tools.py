@@ -59,7 +59,6 @@ def test_run_sh_without_gpu_or_ray_says_why_and_succeeds(
         "bench.json",
         "bench.log",
         "bench.txt",
-        "bench_nocheck.log",
         "bench_nocheck.txt",
         "env.txt",
         "pytest.log",

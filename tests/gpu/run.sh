@@ -9,7 +9,8 @@
 # Writes to $OUT: summary.md (machine, pytest summary, benchmark tables), env.txt,
 # pytest.log, bench.log, bench.txt, bench.json, bench_nocheck.txt (the 8-byte per-call
 # table with the NCCL mismatch check off) and profile.txt (where our 8-byte
-# allreduce spends its time). Exits non-zero if a test or the benchmark failed.
+# allreduce spends its time): eight files, so that a tool that copies back at most
+# eight brings them all. Exits non-zero if a test or the benchmark failed.
 # Time limits (seconds), each overridable: GPU_TESTS_TIMEOUT_S, BENCH_TIMEOUT_S and
 # BENCH_BUDGET_S (the benchmark stops measuring new points after it).
 # World sizes 2 and 3 run on any GPU machine: where fewer GPUs are visible than ranks,
@@ -26,10 +27,12 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 
 if [ -n "${GPU_WHEELS:-}" ]; then
-    "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$OUT/wheels" \
-        "$GPU_WHEELS"/*.whl >"$OUT/wheels.log" 2>&1 || echo "GPU_WHEELS: install failed, see $OUT/wheels.log"
-    export PYTHONPATH="$PYTHONPATH:$OUT/wheels"
-    export PATH="$OUT/wheels/bin:$PATH"
+    # Installed outside $OUT: everything under $OUT is meant to be copied back.
+    site="$(mktemp -d)"
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$site" \
+        "$GPU_WHEELS"/*.whl >"$site.log" 2>&1 || { echo "GPU_WHEELS: install failed:"; tail -n 20 "$site.log"; }
+    export PYTHONPATH="$PYTHONPATH:$site"
+    export PATH="$site/bin:$PATH"
 fi
 
 # cupy loads libnccl.so.2 at import; point the loader at the NCCL of the nvidia-nccl wheel.
@@ -79,7 +82,7 @@ bench_rc=${PIPESTATUS[0]}
 # The NCCL mismatch check's cost: the per-call table again, with the check off.
 COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops allreduce \
     --sizes 8 --world-sizes 1 --impls collective,collective_torch,cupy_nccl \
-    --text "$OUT/bench_nocheck.txt" >"$OUT/bench_nocheck.log" 2>&1
+    --text "$OUT/bench_nocheck.txt" >>"$OUT/bench.log" 2>&1
 
 {
     echo "# GPU suite and NCCL benchmark"
@@ -107,7 +110,7 @@ COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops all
     echo "## the same, 8-byte allreduce, with COLLECTIVE_NCCL_CHECK=0 (the mismatch check off)"
     echo
     echo '```text'
-    if [ -s "$OUT/bench_nocheck.txt" ]; then cat "$OUT/bench_nocheck.txt"; else tail -n 20 "$OUT/bench_nocheck.log"; fi
+    if [ -s "$OUT/bench_nocheck.txt" ]; then cat "$OUT/bench_nocheck.txt"; else tail -n 20 "$OUT/bench.log"; fi
     echo '```'
 } >"$OUT/summary.md"
 echo "summary: $OUT/summary.md"

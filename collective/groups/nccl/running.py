@@ -121,7 +121,13 @@ class NcclRunning(NCCLGroupBase):
                     if not capturing
                 )
                 check = None
-                if signed is not None and self._checking and len(devices) == 1 and not capturing:
+                if (
+                    signed is not None
+                    and self._checking
+                    and self.world_size > 1
+                    and len(devices) == 1
+                    and not capturing
+                ):
                     first = (anchors[0], devices[0], comms[0], streams[0])
                     check = self._signed(op, *first, *signed)
                 launch = build(op, devices, comms, streams, plan, markers, check)
