@@ -2,17 +2,11 @@
 
 A call (``Call``) is the op, dtype, element count, root, reduce op, list length and
 shape, and for alltoall the elements to and from each peer. ``encode`` writes it
-as int64 words in one fixed layout:
-
-====================  =========================================================
-words                 field
-====================  =========================================================
-0-5 (``CORE``)        op, dtype, elements, root, reduce op, list length
-6-15                  the shape: its dims count, a crc of it, its first 8 dims
-16-17                 this rank's own argument error: its kind (0: none), the
-                      length of its message
-18 on (alltoall)      the elements to each peer, then from each peer
-====================  =========================================================
+as int64 words in one fixed layout: words 0-5 (``CORE``) the op, dtype, elements,
+root, reduce op and list length; 6-15 the shape (its dims count, a crc of it, its
+first 8 dims); 16-17 this rank's own argument error (its kind, 0: none, and its
+message's length); from 18 (``FIXED``) on, alltoall's elements to each peer, then
+from each peer.
 
 Ops, dtypes and reduce ops are their codes: an op's index in ``OPS``, a dtype's
 in ``tensor.dtypes.TABLE``, a reduce op's ``ReduceOp`` value; ``UNSET`` marks a
@@ -25,6 +19,7 @@ call's fields, ``differences`` the fields on which ranks differ.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -206,7 +201,7 @@ def of_call(
         return list(encode(Call(op, None, UNSET, root, reduce_op, length), world_size))
     described = spec(x, "tensor")
     shape = described.shape
-    call = Call(op, described.dtype, _numel(shape), root, reduce_op, length, shape)
+    call = Call(op, described.dtype, math.prod(shape), root, reduce_op, length, shape)
     return list(encode(call, world_size))
 
 
@@ -216,17 +211,10 @@ def of_alltoall(world_size: int, outputs: Sequence[Any], inputs: Sequence[Any]) 
     sends: tuple[int, ...] = ()
     receives: tuple[int, ...] = ()
     if len(inputs) == world_size and len(outputs) == world_size:
-        sends = tuple(_numel(spec(x, "tensor").shape) for x in inputs)
-        receives = tuple(_numel(spec(x, "tensor").shape) for x in outputs)
+        sends = tuple(math.prod(spec(x, "tensor").shape) for x in inputs)
+        receives = tuple(math.prod(spec(x, "tensor").shape) for x in outputs)
     call = Call("alltoall", dtype, length=len(inputs), sends=sends, receives=receives)
     return list(encode(call, world_size))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 def failed(slots: Sequence[int]) -> bool:
