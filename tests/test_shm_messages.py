@@ -112,7 +112,7 @@ def test_an_alltoall_size_mismatch_is_the_public_error_counted_in_elements() -> 
 
     for kind, message in run_cpu(2, fn):
         assert kind == "ArgumentValueError"
-        assert "rank 1 expects 2 elements from rank 0, which sends 3" in message, message
+        assert "rank 1 expects 2 elements from rank 0, which sends it 3" in message, message
 
 
 def test_a_recv_unlike_its_send_names_both_dtypes_and_sizes() -> None:

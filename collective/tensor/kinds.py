@@ -10,12 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from collective.tensor.dtypes import DTYPES
 from collective.types import ArgumentTypeError
-
-DTYPES = frozenset(
-    {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"}
-)
-"""Every dtype name any backend may accept; each backend narrows this set."""
 
 
 @dataclass(frozen=True)

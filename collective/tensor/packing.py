@@ -19,20 +19,8 @@ from typing import Any
 import numpy as np
 
 from collective.tensor.cpu import _writable
+from collective.tensor.dtypes import ITEMSIZE
 from collective.tensor.kinds import is_contiguous, is_cupy, is_torch
-
-ITEMSIZE = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "int8": 1,
-    "uint8": 1,
-    "int32": 4,
-    "int64": 8,
-    "bool": 1,
-}
-"""The bytes of one element of each dtype name of ``DTYPES``."""
 
 Item = tuple[int, Any]
 """A buffer and the byte offset of its elements in a staging buffer."""

@@ -21,7 +21,7 @@ from collective.groups.gloo import GlooGroup
 from collective.groups.gloo.work import buffer_list, commit_all, one_buffer
 from collective.groups.shm.mail import Mail
 from collective.groups.shm.short import ShortOps
-from collective.groups.shm.steps import dtype_code
+from collective.signature import dtype_code
 from collective.tensor import CpuBuffer, plain_flat
 from collective.types import (
     AllGatherOptions,

@@ -22,20 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from collective import signature
+from collective.signature import Call
 from collective.tensor import CpuBuffer
 from collective.types import ArgumentValueError, ReduceOp
 
 UNSET = signature.UNSET
 """The word of a field the op does not use."""
 
-WIDTH = 6
-"""The int64 words of one rank's description of a collective."""
-
-_OPS = signature.OPS
-_DTYPES = signature.DTYPE_NAMES
-_DTYPE_CODES = {name: i for i, name in enumerate(_DTYPES)}
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1}
-_ITEMSIZE |= {"int32": 4, "int64": 8, "bool": 1}
+WIDTH = signature.CORE
+"""The int64 words of one rank's description of a collective: its signature's core."""
 
 CARRY_BUDGET = 16 << 10
 """The data bytes all ranks' records hold together; each record gets its share, in words.
@@ -47,41 +42,6 @@ One allgather of records this size takes as long as one of the words alone (loop
 def capacity(world_size: int) -> int:
     """Return the data bytes one rank's record holds in a group of ``world_size`` ranks."""
     return CARRY_BUDGET // world_size // 8 * 8
-
-
-@dataclass(frozen=True)
-class Call:
-    """One rank's collective as the other ranks must see it too.
-
-    ``count`` is the elements of the buffer every rank passes (the input of
-    allgather and gather, the output of reducescatter and scatter); ``length`` the
-    buffers in the op's list where every rank has one. ``sends`` and ``receives``
-    are alltoall's elements to and from each peer (of the one dtype the ranks agree on).
-    """
-
-    op: str
-    dtype: str | None = None
-    count: int = UNSET
-    root: int = UNSET
-    reduce_op: ReduceOp | None = None
-    length: int = UNSET
-    sends: tuple[int, ...] = ()
-    receives: tuple[int, ...] = ()
-
-    def nbytes(self) -> int:
-        """Return the bytes of the buffer every rank passes (0 without one)."""
-        return 0 if self.dtype is None else self.count * _ITEMSIZE[self.dtype]
-
-    def words(self) -> list[int]:
-        """Return the ``WIDTH`` words that every rank compares."""
-        return [
-            _OPS.index(self.op),
-            UNSET if self.dtype is None else _DTYPE_CODES[self.dtype],
-            self.count,
-            self.root,
-            UNSET if self.reduce_op is None else self.reduce_op.value,
-            self.length,
-        ]
 
 
 @dataclass(frozen=True)
@@ -120,7 +80,7 @@ class Records:
 
     def fill(self, call: Call, data: np.ndarray | None) -> None:
         """Write ``call``'s words and, if given, ``data`` into this rank's record."""
-        self._mine[: WIDTH * 8].view(np.int64)[:] = call.words()
+        self._mine[: WIDTH * 8].view(np.int64)[:] = signature.encode(call)[:WIDTH]
         if data is not None:
             self._mine[WIDTH * 8 : WIDTH * 8 + data.size] = data
 
@@ -149,25 +109,8 @@ def on_buffer(
     return Call(op, buf.dtype, buf.tensor.numel(), root, reduce_op, length)
 
 
-def _shown(words: Sequence[int]) -> dict[str, str]:
-    """Return the fields of one rank's words as the error message names them."""
-    op, dtype, count, root, reduce_op, length = words
-    shown = {
-        "op": _OPS[op],
-        "dtype": _DTYPES[dtype] if dtype != UNSET else UNSET,
-        "elements": count,
-        "root": root,
-        "reduce op": ReduceOp(reduce_op).name if reduce_op != UNSET else UNSET,
-        "list length": length,
-    }
-    return {field: "none" if value == UNSET else str(value) for field, value in shown.items()}
-
-
 def _error(op: str, group_name: str, lines: list[str]) -> ArgumentValueError:
-    return ArgumentValueError(
-        f"{op} on group {group_name!r}: the ranks passed different arguments, and no "
-        "buffer was written; " + "; ".join(lines)
-    )
+    return ArgumentValueError(signature.mismatch(op, group_name, lines))
 
 
 def disagreement(op: str, group_name: str, words: Sequence[Sequence[int]]) -> ArgumentValueError:
@@ -175,7 +118,7 @@ def disagreement(op: str, group_name: str, words: Sequence[Sequence[int]]) -> Ar
 
     Every rank sees the same words, so every rank raises the same error.
     """
-    return _error(op, group_name, signature.differences([_shown(row) for row in words]))
+    return _error(op, group_name, signature.differences([signature.shown(w) for w in words]))
 
 
 def unpaired(group_name: str, sizes: Sequence[Sequence[int]]) -> ArgumentValueError | None:
@@ -186,7 +129,7 @@ def unpaired(group_name: str, sizes: Sequence[Sequence[int]]) -> ArgumentValueEr
     n = len(sizes)
     sends = [row[:n] for row in sizes]
     receives = [row[n:] for row in sizes]
-    lines = signature.unpaired(sends, receives, "elements")
+    lines = signature.unpaired(sends, receives)
     return _error("alltoall", group_name, lines) if lines else None
 
 
@@ -206,7 +149,8 @@ class Header:
     def of(cls, buf: CpuBuffer) -> Header:
         """Return the header of a send or receive of ``buf``."""
         tensor = buf.tensor
-        return cls(_DTYPE_CODES[buf.dtype], tensor.numel(), tensor.numel() * tensor.element_size())
+        count = tensor.numel()
+        return cls(signature.dtype_code(buf.dtype), count, count * tensor.element_size())
 
     def words(self) -> list[int]:
         """Return the header as the words it travels in."""
@@ -214,7 +158,7 @@ class Header:
 
     def describe(self) -> str:
         """Return the header as a buffer, e.g. ``float32[8]``."""
-        return f"{_DTYPES[self.dtype]}[{self.count}]"
+        return signature.buffer_text(self.dtype, self.nbytes)
 
 
 def message_mismatch(

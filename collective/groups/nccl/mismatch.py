@@ -35,7 +35,7 @@ from collective.types import ArgumentValueError, CollectiveError, ReduceOp
 CHECK_ENV = "COLLECTIVE_NCCL_CHECK"
 """Environment variable that turns the mismatch check off when set to 0."""
 
-FIELDS = len(signature.blank("allreduce", 0))
+FIELDS = signature.FIXED
 """The signature words an NCCL op's check compares: the fixed part of its signature."""
 
 WORDS = FIELDS + 1
@@ -46,13 +46,6 @@ SLOTS = 64
 
 _INT64, _MAX, _D2H = 4, 2, 2
 """``ncclInt64``, ``ncclMax``, ``cudaMemcpyDeviceToHost``."""
-
-_NAMES = (
-    ["op", "dtype", "shape", "shape"]
-    + ["shape"] * (signature._ROOT - signature._DIMS)
-    + ["root", "reduce op", "list length", "argument error", "argument error"]
-)
-"""The field each signature word belongs to."""
 
 
 def enabled() -> bool:
@@ -72,20 +65,20 @@ def words(op: str, x: Any, root: int, reduce_op: ReduceOp | None) -> np.ndarray:
 
 
 def differences(found: np.ndarray) -> list[str]:
-    """Return a line per field on which the ranks disagree, from a slot's reduced words."""
+    """Return a line per field on which the ranks disagree, from a slot's reduced words.
+
+    The check learns each word's lowest and highest value among the ranks, so a line
+    reads ``"dtype: float32 .. float64"``; a shape that differs reads ``"shape: differs"``.
+    """
     high, low = found[1:WORDS], -found[WORDS + 1 :]
     lines: dict[str, str] = {}
-    for i, name in enumerate(_NAMES):
+    for i, name in enumerate(signature.FIELD_OF_WORD):
         if high[i] == low[i] or name in lines:
             continue
-        if name == "op":
-            shown = f"{signature.OPS[low[i]]} .. {signature.OPS[high[i]]}"
-        elif name == "dtype" and low[i] >= 0:
-            shown = f"{signature.DTYPE_NAMES[low[i]]} .. {signature.DTYPE_NAMES[high[i]]}"
-        elif name == "shape":
+        if name == "shape":
             shown = "differs"
         else:
-            shown = f"{low[i]} .. {high[i]}"
+            shown = f"{signature.value(name, int(low[i]))} .. {signature.value(name, int(high[i]))}"
         lines[name] = f"{name}: {shown}"
     return list(lines.values()) or ["the signature hash"]
 

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from collective import signature
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.lists import broadcast_list
-from collective.groups.shm.steps import Steps, itemsize
+from collective.groups.shm.steps import Steps
 from collective.types import ArgumentValueError
 
 SPLIT_ALLREDUCE_BYTES = 256 << 10
@@ -363,7 +364,7 @@ class Collectives:
         steps.done(step)
         sends, receives = table[:, :n], table[:, n:]
         if not np.array_equal(sends, receives.T):
-            raise unpaired(sends, receives, itemsize(dtype), steps.ranks)
+            raise unpaired(sends, receives, signature.itemsize(dtype), steps.ranks)
         outputs[me][:] = inputs[me]
         piece = _piece_bytes(steps)
         largest = int(sends.max(initial=0))
@@ -391,14 +392,7 @@ def unpaired(
     """Return the error of an alltoall whose byte counts do not pair up, counted in elements.
 
     ``sends[i, j]`` is what local rank i sends to j, ``receives[j, i]`` what j expects
-    from i; ``ranks`` maps local ranks to the group's.
+    from i, in bytes of elements of ``size``; ``ranks`` maps local ranks to the group's.
     """
-    n = len(ranks)
-    bad = [
-        f"rank {ranks[j]} expects {int(receives[j, i]) // size} elements from rank "
-        f"{ranks[i]}, which sends {int(sends[i, j]) // size}"
-        for i in range(n)
-        for j in range(n)
-        if sends[i, j] != receives[j, i]
-    ]
-    return ArgumentValueError("alltoall sizes do not pair up: " + "; ".join(bad))
+    lines = signature.unpaired((sends // size).tolist(), (receives // size).tolist(), ranks)
+    return ArgumentValueError("alltoall sizes do not pair up: " + "; ".join(lines))

@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from collective import signature
 from collective.groups.shm.arena import MAIL_CONSUMED, MAIL_POSTED, Arena
-from collective.groups.shm.steps import dtype_code as code_of
-from collective.groups.shm.steps import itemsize
 from collective.groups.shm.sync import Counter, Waiter
-from collective.tensor import DTYPES
 
 _HEADER = 64
 """Bytes at the start of each mailbox: the message's size and dtype code."""
 
 
-_NAMES = {code_of(name): name for name in DTYPES}
-"""The dtype name of each code a mailbox header carries."""
-
-
 class MessageMismatchError(Exception):
     """A received message's size or dtype differs from the receiving buffer's."""
-
-
-def describe(nbytes: int, code: int) -> str:
-    """Return a message of ``nbytes`` of dtype ``code`` as a buffer, e.g. ``float32[8]``."""
-    name = _NAMES.get(code)
-    if name is None:
-        return f"{nbytes} bytes of unknown dtype code {code}"
-    return f"{name}[{nbytes // itemsize(name)}]"
 
 
 def _pair_counter(arena: Arena, sender: int, receiver: int, word: int, owner: int) -> Counter:
@@ -132,7 +118,7 @@ class Mail:
             advance(consumed, chunk + 1)
         if total != data.size or code != dtype_code:
             raise MessageMismatchError(
-                f"local rank {peer} sent {describe(total, code)}, but this rank receives into "
-                f"{describe(data.size, dtype_code)}; the message was dropped and nothing was "
-                "written"
+                f"local rank {peer} sent {signature.buffer_text(code, total)}, but this rank "
+                f"receives into {signature.buffer_text(dtype_code, data.size)}; the message was "
+                "dropped and nothing was written"
             )

@@ -44,7 +44,6 @@ PlanKey = tuple[str, np.dtype, int, "ReduceOp | None", int]
 class _Plan:
     """What one op on one dtype, element count, reduction and root needs, made once."""
 
-    key: tuple[str, str, int, int]
     word: int
     nbytes: int
     ufunc: Any
@@ -152,7 +151,7 @@ class ShortOps:
     def _start(self, plan: _Plan) -> tuple[int, list[np.ndarray]]:
         """Begin ``plan``'s op; return its step and every rank's slot for that step."""
         steps = self._steps
-        steps.begin_signed(plan.key, plan.word, plan.nbytes)
+        steps.begin_signed(plan.word, plan.nbytes)
         step = steps.next()
         return step, plan.parts[step % steps.nbuf]
 
@@ -178,7 +177,6 @@ class ShortOps:
             ]
             divisor = self._world_size if op is ReduceOp.AVG else 0
             plan = _Plan(
-                signed,
                 steps.signature_word(signed),
                 nbytes,
                 None if op is None else UFUNCS[op],

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from collective import signature
 from collective.groups.shm.algorithms import unpaired
 from collective.groups.shm.kernels import Reducer
-from collective.groups.shm.steps import itemsize
 
 
 class Solo:
@@ -84,5 +84,5 @@ class Solo:
         """Copy ``inputs[0]`` into ``outputs[0]``, checking that their sizes pair up."""
         if inputs[0].size != outputs[0].size:
             table = np.array([[inputs[0].size]]), np.array([[outputs[0].size]])
-            raise unpaired(*table, itemsize(dtype), [0])
+            raise unpaired(*table, signature.itemsize(dtype), [0])
         outputs[0][:] = inputs[0]

@@ -8,19 +8,19 @@ consumed. A rank may write slot ``s % nbuf`` once every other rank has consumed
 step ``s - nbuf``, so a writer runs at most ``nbuf - 1`` steps ahead of its
 slowest reader, and the slots pipeline a long message.
 
-Each slot's header names the op it belongs to and its signature (kind, dtype,
-reduction, root, bytes). A reader that finds another op there knows the ranks
-called different ops or passed different arguments, and says so instead of
-reading wrong data.
+Each slot's header names the op it belongs to and its signature: the op, dtype,
+reduction and root as ``signature.pack`` packs them into one word, and the op's
+bytes. A reader that finds another op there knows the ranks called different ops
+or passed different arguments, and says so instead of reading wrong data.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from collective import signature
 from collective.groups.shm.arena import (
     CONSUMED,
     HDR_BYTES,
@@ -31,96 +31,50 @@ from collective.groups.shm.arena import (
     Arena,
 )
 from collective.groups.shm.sync import Counter, Waiter
-from collective.tensor import DTYPES
+from collective.tensor.dtypes import ITEMSIZE, NAMES
 from collective.types import ReduceOp
 
-KINDS = (
-    "barrier",
-    "broadcast",
-    "reduce",
-    "allreduce",
-    "allgather",
-    "reducescatter",
-    "gather",
-    "scatter",
-    "alltoall",
-    "relay",
-)
-_DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPES))}
-_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
-_NUMPY_NAMES = {"bfloat16": "int16"}
-_WHOLE = 0x80
-"""The kind byte's flag of a signature that describes a whole op (see ``Signature.whole``)."""
-"""Dtypes numpy lacks, by a numpy dtype of their item size."""
+_WHOLE = signature.PACKED_FREE_BIT
+"""The flag of a packed signature that describes a user's whole op (see ``Steps.begin_whole``)."""
 
-
-def itemsize(dtype: str) -> int:
-    """Return the bytes of one element of ``dtype`` (a dtype name; 1 for an empty name)."""
-    return np.dtype(_NUMPY_NAMES.get(dtype, dtype)).itemsize if dtype else 1
-
-
-def dtype_code(dtype: str) -> int:
-    """Return the small number that stands for ``dtype`` in slot and mailbox headers."""
-    return _DTYPE_CODES[dtype]
+Key = tuple[str, str, int, int]
+"""An op's signature as ``Steps.begin`` takes it: op, dtype ("": none), reduction, root."""
 
 
 class MismatchError(Exception):
     """A peer's slot holds another op than this rank's: the ranks diverged."""
 
 
-@dataclass(frozen=True)
-class Signature:
-    """What an op's slots must carry on every rank: its kind, dtype, reduction, root, bytes.
+def pack(key: Key, whole: bool = False) -> int:
+    """Return the packed signature of ``key``; see ``signature.pack``."""
+    op, dtype, reduce_op, root = key
+    known = dtype if dtype in ITEMSIZE else None  # a group's own ops may move other dtypes
+    call = signature.Call(
+        op, known, root=root, reduce_op=None if reduce_op < 0 else ReduceOp(reduce_op)
+    )
+    return signature.pack(signature.encode(call)) | (_WHOLE if whole else 0)
 
-    ``whole`` marks the signature of the user's whole op, as a group that spans
-    nodes checks it among a node's ranks before any stage runs: its root is a rank
-    of the group, not a local rank, and its reduction is the user's (AVG included).
+
+def describe(word: int, nbytes: int, ranks: Sequence[int]) -> tuple[str, dict[str, str]]:
+    """Return the op that a header's packed ``word`` and ``nbytes`` describe, and its fields.
+
+    ``ranks`` maps local ranks to the group's ranks: the root of a stage is a local
+    rank, that of a whole op (``Steps.begin_whole``) a rank of the group already.
     """
-
-    kind: str
-    dtype: str = ""
-    reduce_op: int = -1
-    root: int = -1
-    nbytes: int = 0
-    whole: bool = False
-
-    def word(self) -> int:
-        """Return the signature packed into one int64 (the byte count aside)."""
-        kind = KINDS.index(self.kind) + 1 | (_WHOLE if self.whole else 0)
-        dtype = _DTYPE_CODES.get(self.dtype, 0)
-        return kind | dtype << 8 | (self.reduce_op + 1) << 16 | (self.root + 1) << 24
-
-    @classmethod
-    def unpack(cls, word: int, nbytes: int) -> Signature:
-        """Return the signature that ``word`` packs, with ``nbytes``; unknown fields stay blank."""
-        kind = word & 0x7F
-        dtype = _DTYPE_NAMES.get((word >> 8) & 0xFF, "")
-        return cls(
-            KINDS[kind - 1] if 0 < kind <= len(KINDS) else "an unknown op",
-            dtype,
-            ((word >> 16) & 0xFF) - 1,
-            (word >> 24) - 1,
-            nbytes,
-            bool(word & _WHOLE),
-        )
-
-    def describe(self, ranks: Sequence[int] | None = None) -> str:
-        """Return a short readable form, e.g. ``reduce (SUM) of 8 float32 elements with root 1``.
-
-        ``ranks`` maps local ranks to the group's ranks, for the root.
-        """
-        parts = [self.kind]
-        if self.reduce_op >= 0:
-            parts.append(f"({ReduceOp(self.reduce_op).name})")
-        if self.dtype:
-            count = self.nbytes // itemsize(self.dtype)
-            parts.append(f"of {count} {self.dtype} element{'' if count == 1 else 's'}")
-        root = self.root
-        if root >= 0 and self.kind != "relay":
-            if ranks and root < len(ranks) and not self.whole:
-                root = ranks[root]
-            parts.append(f"with root {root}")
-        return " ".join(parts)
+    words = signature.unpack(word & ~_WHOLE)
+    root = words[signature.ROOT]
+    if words[signature.OP] == signature.OP_CODES["relay"]:
+        words[signature.ROOT] = signature.UNSET
+    elif not word & _WHOLE and 0 <= root < len(ranks):
+        words[signature.ROOT] = ranks[root]
+    code = words[signature.DTYPE]
+    dtype = NAMES[code] if 0 <= code < len(NAMES) else ""
+    words[signature.COUNT] = nbytes // signature.itemsize(dtype)
+    fields = signature.shown(words)
+    try:
+        return signature.describe(signature.decode(words)), fields
+    except (IndexError, ValueError):
+        return "an unknown op", fields
 
 
 def counters(arena: Arena, kind: int) -> list[Counter]:
@@ -170,9 +124,7 @@ class Steps:
         self.op = 0
         self._sig = 0
         self._nbytes = 0
-        self._key: tuple[str, str, int, int] = ("barrier", "", -1, -1)
-        self._whole = False
-        self._words: dict[tuple[tuple[str, str, int, int], bool], int] = {}
+        self._words: dict[tuple[Key, bool], int] = {}
 
     @property
     def others(self) -> list[int]:
@@ -182,9 +134,8 @@ class Steps:
     def begin(
         self, kind: str, dtype: str = "", reduce_op: int = -1, root: int = -1, nbytes: int = 0
     ) -> None:
-        """Start an op of ``Signature(kind, ...)``: count it, and announce it."""
-        key = (kind, dtype, reduce_op, root)
-        self.begin_signed(key, self.signature_word(key), nbytes)
+        """Start an op ``kind`` with these arguments: count it, and announce it."""
+        self.begin_signed(self.signature_word((kind, dtype, reduce_op, root)), nbytes)
 
     def begin_whole(self, kind: str, dtype: str, reduce_op: int, root: int, nbytes: int) -> None:
         """Start the check of a user's whole op ``kind`` (``root`` a rank of the group).
@@ -193,24 +144,21 @@ class Steps:
         stage carries, lets the node's ranks compare the op they were called with.
         """
         key = (kind, dtype, reduce_op, root)
-        self.begin_signed(key, self.signature_word(key, whole=True), nbytes)
-        self._whole = True
+        self.begin_signed(self.signature_word(key, whole=True), nbytes)
 
-    def signature_word(self, key: tuple[str, str, int, int], whole: bool = False) -> int:
-        """Return ``Signature(*key, whole=whole).word()``, packed once per key."""
+    def signature_word(self, key: Key, whole: bool = False) -> int:
+        """Return ``pack(key, whole)``, packed once per key."""
         word = self._words.get((key, whole))
         if word is None:
-            word = self._words[(key, whole)] = Signature(*key, whole=whole).word()
+            word = self._words[(key, whole)] = pack(key, whole)
         return word
 
-    def begin_signed(self, key: tuple[str, str, int, int], word: int, nbytes: int) -> None:
-        """Start an op whose signature ``key`` packs into ``word``; see ``begin``."""
+    def begin_signed(self, word: int, nbytes: int) -> None:
+        """Start an op whose signature packs into ``word``; see ``begin``."""
         self.op += 1
         self._control[OP_SEQ] = self.op
         self._sig = word
         self._nbytes = nbytes
-        self._key = key
-        self._whole = False
 
     def slot(self, step: int) -> np.ndarray:
         """Return this rank's slot for ``step``."""
@@ -252,22 +200,21 @@ class Steps:
         header = self._headers[rank][step % self.nbuf]
         op, sig, nbytes = int(header[HDR_OP]), int(header[HDR_SIG]), int(header[HDR_BYTES])
         if op != self.op or sig != self._sig or nbytes != self._nbytes:
-            raise MismatchError(self._mismatch(rank, op, Signature.unpack(sig, nbytes)))
+            raise MismatchError(self._mismatch(rank, op, sig, nbytes))
 
-    def _mismatch(self, rank: int, op: int, theirs: Signature) -> str:
-        """Describe how local ``rank``, in its ``op``-th collective ``theirs``, differs."""
-        mine = Signature(*self._key, self._nbytes, self._whole)
+    def _mismatch(self, rank: int, op: int, sig: int, nbytes: int) -> str:
+        """Describe how local ``rank``, in its ``op``-th op of packed signature ``sig``, differs."""
+        theirs, their_fields = describe(sig, nbytes, self.ranks)
+        mine, my_fields = describe(self._sig, self._nbytes, self.ranks)
         who, me = self.ranks[rank], self.ranks[self.rank]
         if op != self.op:
             return (
-                f"rank {who} is in its collective #{op} ({theirs.describe(self.ranks)}) where "
-                f"rank {me} is in its #{self.op} ({mine.describe(self.ranks)}): the ranks "
-                "called a different number of collectives on the group"
+                f"rank {who} is in its collective #{op} ({theirs}) where rank {me} is in its "
+                f"#{self.op} ({mine}): the ranks called a different number of collectives on "
+                "the group"
             )
-        return (
-            f"rank {who} called {theirs.describe(self.ranks)} where rank {me} called "
-            f"{mine.describe(self.ranks)}"
-        )
+        lines = signature.differences([their_fields, my_fields], [who, me])
+        return "; ".join([f"rank {who} called {theirs} where rank {me} called {mine}", *lines])
 
     def arrive(self, step: int, deadline: float) -> None:
         """Post ``step`` without data: announce this rank's op to the ranks that write to it.
