@@ -11,6 +11,7 @@ instead of packing buckets.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,6 +20,24 @@ from collective.groups.shm.steps import Steps
 from collective.tensor.bytelist import ByteList, address
 
 _memmove = ctypes.memmove
+
+_slot_addresses: weakref.WeakKeyDictionary[Steps, tuple[object, list[list[int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each rank's slot addresses per ``Steps``, with the slot list they were read from."""
+
+
+def slot_addresses(steps: Steps) -> list[list[int]]:
+    """Return the address of every local rank's every slot of ``steps``, by rank and buffer.
+
+    They are read again once ``steps`` has dropped its slots (``Steps.release``), so
+    no address outlives the mapping it was read from.
+    """
+    kept = _slot_addresses.get(steps)
+    if kept is None or kept[0] is not steps.slots:
+        found = [[address(slot) for slot in mine] for mine in steps.slots]
+        kept = _slot_addresses[steps] = (steps.slots, found)
+    return kept[1]
 
 
 def broadcast_list(steps: Steps, datas: Sequence[np.ndarray], root: int, deadline: float) -> None:
@@ -34,12 +53,13 @@ def broadcast_list(steps: Steps, datas: Sequence[np.ndarray], root: int, deadlin
     me = steps.rank
     readers = [r for r in range(steps.size) if r != root]
     first = steps.step
-    move = _memmove
+    move, nbuf = _memmove, steps.nbuf
+    slots = slot_addresses(steps)[root]
     for pieces in message.cut(steps.slot_bytes):
         step = steps.next()
         if me == root:
             steps.free(step, deadline)
-            slot = address(steps.slot(step))
+            slot = slots[step % nbuf]
             for source, at, size in pieces:
                 move(slot + at, source, size)
             steps.post(step)
@@ -49,7 +69,7 @@ def broadcast_list(steps: Steps, datas: Sequence[np.ndarray], root: int, deadlin
             if step == first:
                 steps.arrive(step, deadline)
             steps.collect(root, step, deadline)
-            slot = address(steps.peer_slot(root, step))
+            slot = slots[step % nbuf]
             for target, at, size in pieces:
                 move(target, slot + at, size)
         steps.done(step)
