@@ -17,17 +17,23 @@ import torch
 from collective.bulk import calls
 from collective.groups.base import BaseGroup
 from collective.groups.cpu import CpuGroup
-from collective.groups.shm.lists import cut
 from collective.tensor import Staging
+from collective.tensor.bytelist import ByteList, address, byte_runs
 from tests.test_gloo_group import run_ranks
 from tests.test_shm import run_cpu
 
 
 def test_a_list_is_cut_into_slots_end_to_end() -> None:
     datas = [np.zeros(n, np.uint8) for n in (5, 0, 3, 9, 1)]
-    steps = cut(datas, 4)
-    index = {id(d): i for i, d in enumerate(datas)}
-    spans = [[(index[id(d)], a, b, at) for d, a, b, at in s] for s in steps]
+    steps = ByteList.of(datas).cut(4)
+    base = {address(d): i for i, d in enumerate(datas) if d.size}
+
+    def where(piece: tuple[int, int, int]) -> tuple[int, int, int, int]:
+        at, offset, size = piece
+        i = max((b for b in base if b <= at), key=lambda b: b)
+        return base[i], at - i, at - i + size, offset
+
+    spans = [[where(p) for p in s] for s in steps]
     assert spans == [
         [(0, 0, 4, 0)],
         [(0, 4, 5, 0), (2, 0, 3, 1)],
@@ -35,9 +41,27 @@ def test_a_list_is_cut_into_slots_end_to_end() -> None:
         [(3, 4, 8, 0)],
         [(3, 8, 9, 0), (4, 0, 1, 1)],
     ]
-    assert cut([], 4) == [[]]
-    assert cut([np.zeros(0, np.uint8)], 4) == [[]]
-    assert [len(s) for s in cut([np.zeros(8, np.uint8)], 4)] == [1, 1]
+    assert ByteList.of([]).cut(4) == [[]]
+    assert ByteList.of([np.zeros(0, np.uint8)]).cut(4) == [[]]
+    assert [len(s) for s in ByteList.of([np.zeros(8, np.uint8)]).cut(4)] == [1, 1]
+
+
+def test_a_byte_list_takes_only_flat_contiguous_bytes() -> None:
+    with pytest.raises(ValueError, match="flat contiguous uint8"):
+        ByteList.of([np.zeros(8, np.uint8)[::2]])
+    with pytest.raises(ValueError, match="flat contiguous uint8"):
+        ByteList.of([np.zeros(2, np.int32)])
+
+
+def test_tensors_back_to_back_in_memory_make_one_run() -> None:
+    flat = torch.arange(100, dtype=torch.float32)
+    parts = [flat[0:10], flat[10:30], flat[30:30], flat[30:50], flat[60:70], flat[70:100]]
+    runs = byte_runs(parts)
+    assert [len(v) for v in runs] == [50 * 4, 40 * 4]
+    runs[1][:] = 0
+    assert flat[60:].eq(0).all() and flat[:60].ne(0).sum() == 59
+    tied = byte_runs([flat[:10], flat[:10]])
+    assert [len(v) for v in tied] == [40, 40]
 
 
 def _many(rank: int, count: int) -> list[Any]:

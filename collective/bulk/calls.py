@@ -9,12 +9,13 @@ buffer is written. Then the tensors move in bucketed, pipelined ops of the group
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from collective import checks, signature, tensor
-from collective.bulk import local
+from collective.bulk import local, repeat
 from collective.bulk.agree import Agreement, Claim, agree
 from collective.bulk.pipeline import Moves, start
 from collective.bulk.plan import plan
@@ -94,28 +95,40 @@ def _list_call(
     """Run bulk call ``op`` on a list: a broadcast from a root, or (``how`` says) a reduction."""
     data = _unwrapped(group)
     with held(data, op) as turn:
-        root, reduce_op, xs, specs = UNSET, None, [], []
-        checked_timeout, is_async, bucket, reads = None, False, 0, False
+        root, reduce_op, xs, listing = UNSET, None, [], None
+        checked_timeout, is_async, bucket, reads, kept, hit = None, False, 0, False, None, False
         with local.Captured() as captured:
             root, reduce_op = how()
             checked_timeout, is_async = checks.check_call(timeout, async_op)
             bucket = local.check_bucket_bytes(bucket_bytes, default_bucket)
             xs = local.check_list(tensors, "tensors")
-            labels = [f"tensors[{i}]" for i in range(len(xs))]
-            specs = local.check_buffers(group, xs, labels, reduce_op)
             reads = reduce_op is not None or group.rank == root
-            if reduce_op is not None or not reads:
-                xs = local.check_outputs(group, xs, labels)
-            if reduce_op is not None:
-                local.check_no_overlap(xs, labels)
+            call = (op, root, reduce_op, bucket, reads)
+            kept = repeat.find(data, call, None, xs)
+            if kept is None:
+                labels = [f"tensors[{i}]" for i in range(len(xs))]
+                specs = local.check_buffers(group, xs, labels, reduce_op)
+                writes = reduce_op is not None or not reads
+                views = local.check_outputs(group, xs, labels) if writes else xs
+                if reduce_op is not None:
+                    local.check_no_overlap(views, labels)
+                listing = local.listing(specs, None)
+                kept = repeat.keep(data, call, None, xs, listing)
+                xs = views
+            else:
+                listing, hit = kept.listing, True
         ok = captured.error is None
-        listing = local.listing(specs, None) if ok else None
         count, bucket = (len(xs), bucket) if ok else (UNSET, 0)
+        listing = listing if ok else None
         claim = Claim(op, "tensors", root, reduce_op, count, bucket, listing, True, captured.error)
         like = _like(group, xs)
         turn.bound(AGREEMENT_OPS, checked_timeout or group.timeout)
         agreement = agree(data, claim, checked_timeout, _on_device(like))
-        moves = _moves(data, agreement, bucket, xs, reads, like, checked_timeout, root, reduce_op)
+        writes = reduce_op is not None or not reads
+        mine = (lambda: _writable(xs)) if hit and writes else (lambda: xs)
+        moves = _moves(
+            data, agreement, bucket, mine, xs, kept, reads, like, checked_timeout, root, reduce_op
+        )
         return start(op, moves, is_async, turn)
 
 
@@ -131,8 +144,8 @@ def broadcast_state_dict(
     """Run ``collective.broadcast_state_dict`` on ``group``; see there."""
     data = _unwrapped(group)
     with held(data, "broadcast_state_dict") as turn:
-        root, entries, specs = UNSET, {}, []
-        checked_timeout, is_strict = None, True
+        root, entries, listing, values = UNSET, {}, None, []
+        checked_timeout, is_strict, kept, hit = None, True, None, False
         receiving = False
         with local.Captured() as captured:
             root = checks.check_rank(src_rank, group.world_size, "src_rank")
@@ -143,22 +156,33 @@ def broadcast_state_dict(
             if state_dict is None and not receiving:
                 raise ArgumentValueError(f"state_dict is required on src_rank ({root}), got None")
             if state_dict is not None:
-                entries = local.check_state_dict(state_dict)
-                labels = [f"state_dict[{key!r}]" for key in entries]
-                specs = local.check_buffers(group, list(entries.values()), labels, None)
-                if receiving:
-                    views = local.check_outputs(group, list(entries.values()), labels)
-                    entries = dict(zip(entries, views, strict=True))
+                call = ("broadcast_state_dict", root, is_strict, bucket, receiving)
+                plain = type(state_dict) in (dict, OrderedDict)
+                names = tuple(state_dict) if plain else None
+                values = list(state_dict.values()) if plain else []
+                kept = repeat.find(data, call, names, values) if plain else None
+                if kept is None:
+                    entries = local.check_state_dict(state_dict)
+                    labels = [f"state_dict[{key!r}]" for key in entries]
+                    values = list(entries.values())
+                    specs = local.check_buffers(group, values, labels, None)
+                    if receiving:
+                        views = local.check_outputs(group, values, labels)
+                        entries = dict(zip(entries, views, strict=True))
+                    listing = local.listing(specs, list(entries))
+                    kept = repeat.keep(data, call, listing.names, values, listing)
+                else:
+                    listing, hit = kept.listing, True
         given = state_dict is not None and captured.error is None
-        listing = local.listing(specs, list(entries)) if given else None
+        listing = listing if given else None
         bucket = bucket if captured.error is None else 0
         claim = Claim(
             "broadcast_state_dict", "state_dict", root, None, UNSET, bucket, listing, is_strict,
             captured.error,
         )  # fmt: skip
-        xs = list(entries.values())
         turn.bound(AGREEMENT_OPS, checked_timeout or group.timeout)
-        agreement = agree(data, claim, checked_timeout, _on_device(_like(group, xs)))
+        like = _like(group, values)
+        agreement = agree(data, claim, checked_timeout, _on_device(like))
         result = state_dict if receiving else None
         if state_dict is None and agreement.source_order is not None:
             source = agreement.source_order
@@ -167,10 +191,20 @@ def broadcast_state_dict(
                 name: tensor.empty(dtype, shape, group.device_type)
                 for name, dtype, shape in zip(names, source.dtypes, source.shapes, strict=True)
             }
+            values = list(entries.values())
         layout = agreement.layout
-        ordered = [entries.get(name) for name in layout.names or ()]
-        like = _like(group, [x for x in ordered if x is not None])
-        moves = _moves(data, agreement, bucket, ordered, not receiving, like, checked_timeout, root)
+
+        def ordered() -> list[Any]:
+            mine = entries
+            if hit:
+                views = _writable(values) if receiving else values
+                mine = dict(zip(names or (), views, strict=True))
+            return [mine.get(name) for name in layout.names or ()]
+
+        moves = _moves(
+            data, agreement, bucket, ordered, values, kept, not receiving, like,
+            checked_timeout, root,
+        )  # fmt: skip
         start("broadcast_state_dict", moves, False, turn)
         return result
 
@@ -200,26 +234,51 @@ def _on_device(like: Any) -> Callable[[Any], Any]:
     return lambda array: tensor.to_device(array, like)
 
 
+def _writable(xs: list[Any]) -> list[Any]:
+    """Return views of ``xs`` to write in place (``tensor.writable``); their checks have passed."""
+    return [tensor.writable(x) for x in xs]
+
+
 def _moves(
     group: BaseGroup,
     agreement: Agreement,
     bucket_bytes: int,
-    xs: list[Any],
+    ordered: Callable[[], list[Any]],
+    held: list[Any],
+    kept: repeat.Kept | None,
     reads: bool,
     like: Any,
     timeout: timedelta | None,
     root: int,
     reduce_op: ReduceOp | None = None,
 ) -> Moves:
-    """Return what this rank does to move ``xs`` (in layout order) as agreed."""
+    """Return what this rank does to move its tensors as agreed.
+
+    ``ordered`` returns the rank's tensors in layout order (views to write where it
+    writes), None where it has none; ``held`` are its tensors, which the moves keep
+    alive. What ``kept`` holds for the agreed layout is used, and what is made is
+    kept there.
+    """
     writes = reduce_op is not None or not reads
     layout = agreement.layout
+    mine = kept.moves_for(layout) if kept is not None else None
     if reduce_op is None and group.takes_lists:
+        if mine is not None and mine.runs is not None:
+            return Moves(group, [], held, reads, writes, like, timeout, root, whole=mine.runs)
+        xs = ordered()
         whole = [
             x if x is not None else tensor.empty(layout.dtypes[i], layout.shapes[i], "cpu")
             for i, x in enumerate(xs)
         ]
-        return Moves(group, [], xs, reads, writes, like, timeout, root, whole=whole)
-    direct = DIRECT_BYTES if group.device_type == "cpu" else bucket_bytes
-    steps = plan(layout, bucket_bytes, direct, typed=reduce_op is not None)
-    return Moves(group, steps, xs, reads, writes, like, timeout, root, reduce_op)
+        if kept is None:
+            return Moves(group, [], held, reads, writes, like, timeout, root, whole=whole)
+        kept.scratch = {i: whole[i] for i, x in enumerate(xs) if x is None}
+        runs = repeat.runs(kept, whole)
+        return Moves(group, [], held, reads, writes, like, timeout, root, whole=runs)
+    steps = mine.steps if mine is not None else None
+    if steps is None:
+        direct = DIRECT_BYTES if group.device_type == "cpu" else bucket_bytes
+        steps = plan(layout, bucket_bytes, direct, typed=reduce_op is not None)
+        if kept is not None:
+            kept.steps = steps
+    return Moves(group, steps, ordered(), reads, writes, like, timeout, root, reduce_op)

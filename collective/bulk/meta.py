@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from collective.tensor import ITEMSIZE
 
@@ -26,6 +27,8 @@ class Listing:
     names: tuple[str, ...] | None
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    _memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """``sorted``, ``encode`` and ``digest``, once made: a kept listing serves many calls."""
 
     def __len__(self) -> int:
         """Return the number of tensors."""
@@ -39,17 +42,24 @@ class Listing:
         """Return this listing in name order (a list's stays in index order)."""
         if self.names is None:
             return self
-        order = sorted(range(len(self)), key=self.names.__getitem__)
-        return Listing(
-            tuple(self.names[i] for i in order),
-            tuple(self.dtypes[i] for i in order),
-            tuple(self.shapes[i] for i in order),
-        )
+        done = self._memo.get("sorted")
+        if done is None:
+            order = sorted(range(len(self)), key=self.names.__getitem__)
+            done = self._memo["sorted"] = Listing(
+                tuple(self.names[i] for i in order),
+                tuple(self.dtypes[i] for i in order),
+                tuple(self.shapes[i] for i in order),
+            )
+        return done
 
     def encode(self) -> bytes:
         """Return the listing as compact bytes, for ``decode`` on another rank."""
-        body = [self.names, self.dtypes, self.shapes]
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        done = self._memo.get("encode")
+        if done is None:
+            body = [self.names, self.dtypes, self.shapes]
+            text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+            done = self._memo["encode"] = text.encode()
+        return done
 
     @classmethod
     def decode(cls, data: bytes) -> Listing:
@@ -63,8 +73,11 @@ class Listing:
 
     def digest(self) -> int:
         """Return a 64-bit digest of the listing, as a signed int64 value."""
-        value = hashlib.blake2b(self.encode(), digest_size=8).digest()
-        return int.from_bytes(value, "little", signed=True)
+        done = self._memo.get("digest")
+        if done is None:
+            value = hashlib.blake2b(self.encode(), digest_size=8).digest()
+            done = self._memo["digest"] = int.from_bytes(value, "little", signed=True)
+        return done
 
     def describe(self, i: int) -> str:
         """Return entry ``i`` as dtype and shape, e.g. ``float32[4, 2]``."""

@@ -58,7 +58,7 @@ class Moves:
     timeout: timedelta | None
     root: int = 0
     reduce_op: ReduceOp | None = None
-    whole: list[Any] | None = None
+    whole: Sequence[Any] | None = None
     """Every tensor in layout order (scratch where this rank has none), when the group
     moves them as one message (``BaseGroup.takes_lists``); then ``steps`` go unused."""
 

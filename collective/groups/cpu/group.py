@@ -23,6 +23,7 @@ from collective.groups.shm.mail import Mail
 from collective.groups.shm.short import ShortOps
 from collective.signature import dtype_code
 from collective.tensor import CpuBuffer, plain_flat
+from collective.tensor.bytelist import ByteList
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -152,7 +153,7 @@ class CpuGroup(CpuGroupBase):
         """Copy the root's ``tensors`` into every other rank's, in order, as one message.
 
         See ``BaseGroup.broadcast_list``. A tensor that is not contiguous moves
-        through a contiguous copy of its own.
+        through a contiguous copy of its own; a ``ByteList`` moves as it is.
         """
         plan = self._plan
         if self._gloo is not None or not isinstance(plan, Flat):
@@ -161,7 +162,7 @@ class CpuGroup(CpuGroupBase):
         writes = self.rank != root
         datas: list[np.ndarray] = []
         staged: list[CpuBuffer] = []
-        for i, t in enumerate(tensors):
+        for i, t in enumerate(tensors if not isinstance(tensors, ByteList) else ()):
             flat = plain_flat(t)
             if flat is None:
                 buf = CpuBuffer(t, f"tensors[{i}]", writes)
@@ -169,9 +170,10 @@ class CpuGroup(CpuGroupBase):
                 datas.append(buf.bytes)
             else:
                 datas.append(flat.view(np.uint8))
+        message = tensors if isinstance(tensors, ByteList) else datas
 
         def body(deadline: float) -> None:
-            plan.broadcast_list(datas, root, deadline)
+            plan.broadcast_list(message, root, deadline)
             commit_all(staged)
 
         return self._submit("broadcast", options, body)

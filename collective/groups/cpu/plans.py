@@ -23,7 +23,7 @@ ops then skip their own agreement.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -88,7 +88,7 @@ class Flat:
         """Copy ``root``'s ``buf`` into every other rank's."""
         self.local.broadcast(buf.bytes, root, buf.dtype, deadline)
 
-    def broadcast_list(self, datas: list[np.ndarray], root: int, deadline: float) -> None:
+    def broadcast_list(self, datas: Sequence[np.ndarray], root: int, deadline: float) -> None:
         """Copy ``root``'s ``datas`` (flat byte views) into every other rank's, as one message."""
         self.local.broadcast_list(datas, root, deadline)
 

@@ -3,40 +3,65 @@
 The buffers stream through the slots back to back, so a slot may hold the end of
 one buffer and the start of the next: each byte is copied once into the arena and
 once out on each reader, with one synchronisation per slot whatever the number of
-buffers. This is what the bulk calls use on one node instead of packing buckets.
+buffers. Which bytes go where is worked out once per message (``ByteList.cut``),
+and each piece is one ``memmove``. This is what the bulk calls use on one node
+instead of packing buckets.
 """
 
 from __future__ import annotations
 
+import ctypes
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from collective.groups.shm.steps import Steps
+from collective.tensor.bytelist import ByteList, address
 
-Piece = tuple[np.ndarray, int, int, int]
-"""``(buffer, start, end, slot offset)``: bytes ``[start, end)`` of a buffer at an offset."""
+_memmove = ctypes.memmove
+
+_slot_addresses: weakref.WeakKeyDictionary[Steps, tuple[object, list[list[int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each rank's slot addresses per ``Steps``, with the slot list they were read from."""
+
+
+def slot_addresses(steps: Steps) -> list[list[int]]:
+    """Return the address of every local rank's every slot of ``steps``, by rank and buffer.
+
+    They are read again once ``steps`` has dropped its slots (``Steps.release``), so
+    no address outlives the mapping it was read from.
+    """
+    kept = _slot_addresses.get(steps)
+    if kept is None or kept[0] is not steps.slots:
+        found = [[address(slot) for slot in mine] for mine in steps.slots]
+        kept = _slot_addresses[steps] = (steps.slots, found)
+    return kept[1]
 
 
 def broadcast_list(steps: Steps, datas: Sequence[np.ndarray], root: int, deadline: float) -> None:
     """Copy local rank ``root``'s ``datas`` into every other local rank's ``datas``, in place.
 
-    Every local rank passes as many flat ``uint8`` buffers, of the same sizes in the
-    same order; the root's are only read. The root confirms on the first step that
-    every reader runs the same op, as a broadcast's root does.
+    Every local rank passes flat contiguous ``uint8`` buffers (a ``ByteList`` or
+    arrays) of the same total size: the message is their bytes end to end, however
+    each rank cuts it into buffers. The root's are only read. The root confirms on
+    the first step that every reader runs the same op, as a broadcast's root does.
     """
-    total = sum(d.size for d in datas)
-    steps.begin("broadcast", "", root=root, nbytes=total)
+    message = datas if isinstance(datas, ByteList) else ByteList.of(datas)
+    steps.begin("broadcast", "", root=root, nbytes=message.nbytes)
     me = steps.rank
     readers = [r for r in range(steps.size) if r != root]
     first = steps.step
-    for pieces in cut(datas, steps.slot_bytes):
+    move, nbuf = _memmove, steps.nbuf
+    slots = slot_addresses(steps)[root]
+    for pieces in message.cut(steps.slot_bytes):
         step = steps.next()
         if me == root:
             steps.free(step, deadline)
-            slot = steps.slot(step)
-            for data, start, end, at in pieces:
-                slot[at : at + end - start] = data[start:end]
+            slot = slots[step % nbuf]
+            for source, at, size in pieces:
+                move(slot + at, source, size)
             steps.post(step)
             if step == first:
                 steps.confirm(readers, step, deadline)
@@ -44,27 +69,7 @@ def broadcast_list(steps: Steps, datas: Sequence[np.ndarray], root: int, deadlin
             if step == first:
                 steps.arrive(step, deadline)
             steps.collect(root, step, deadline)
-            slot = steps.peer_slot(root, step)
-            for data, start, end, at in pieces:
-                data[start:end] = slot[at : at + end - start]
+            slot = slots[step % nbuf]
+            for target, at, size in pieces:
+                move(target, slot + at, size)
         steps.done(step)
-
-
-def cut(datas: Sequence[np.ndarray], step_bytes: int) -> list[list[Piece]]:
-    """Return, per step, the ``(data, start, end, slot offset)`` pieces of ``datas`` end to end.
-
-    One step (of no pieces) when there are no bytes at all: every op takes a step.
-    """
-    steps: list[list[Piece]] = [[]]
-    room = step_bytes
-    for data in datas:
-        start = 0
-        while start < data.size:
-            if room == 0:
-                steps.append([])
-                room = step_bytes
-            end = min(data.size, start + room)
-            steps[-1].append((data, start, end, step_bytes - room))
-            room -= end - start
-            start = end
-    return steps

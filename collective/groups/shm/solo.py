@@ -6,6 +6,8 @@ A group that spans nodes gives a node of one rank these ops in place of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from collective import signature
@@ -40,7 +42,7 @@ class Solo:
         """Finish the reduction of ``data`` alone (AVG divides by the world size)."""
         reducer.finish(data)
 
-    def broadcast_list(self, datas: list[np.ndarray], root: int, deadline: float) -> None:
+    def broadcast_list(self, datas: Sequence[np.ndarray], root: int, deadline: float) -> None:
         """Leave ``datas`` as they are: this rank is the root."""
 
     def relay(
