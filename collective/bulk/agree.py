@@ -8,11 +8,18 @@ no rank needs the listing, that is all. Otherwise the reference rank's listing
 travels in one broadcast, each rank compares its own with it, and one more exchange
 makes every rank raise the same error, naming the first entry that differs, when any
 rank's does. Nothing is written before this returns.
+
+While the caller's stream captures a CUDA graph nothing can travel and be read back,
+so a call made during capture takes the agreement that the same call (the same op,
+root, reduction, bucket size and listing on this rank) reached on the group before
+capture, or raises. As for a single op captured on NCCL, the other ranks are then
+trusted to capture the same calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,13 +28,26 @@ from collective import checked, signature
 from collective.bulk.meta import Listing, differences
 from collective.groups.base import BaseGroup
 from collective.tensor import array_bytes, byte_array, to_host
-from collective.types import ArgumentError, ArgumentValueError, BroadcastOptions, ReduceOp
+from collective.types import (
+    ArgumentError,
+    ArgumentValueError,
+    BroadcastOptions,
+    CollectiveError,
+    ReduceOp,
+)
 
 NEEDS_LIST, NO_TENSORS = 1, 2
 """Flags of a rank's signature: it needs the reference's listing; it passed no tensors."""
 
 _EXTRA = 4
 """Slots after the standard signature: bucket bytes, digest, listing bytes, flags."""
+
+AGREEMENTS_KEPT = 16
+"""Agreements a GPU group keeps for calls made during CUDA-graph capture; oldest go first."""
+
+_agreed: weakref.WeakKeyDictionary[BaseGroup, dict[Hashable, Agreement]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -66,12 +86,19 @@ def agree(
     claim: Claim,
     timeout: timedelta | None,
     on_device: Callable[[Any], Any],
+    *,
+    capturing: bool = False,
 ) -> Agreement:
     """Agree with the other ranks on ``claim``; return the layout every rank then moves.
 
+    With ``capturing`` (the caller's stream captures a CUDA graph) nothing travels:
+    the agreement comes from the same call made on the group before.
+
     Raises:
         ArgumentError: some rank's own checks failed, or the ranks disagree; the same
-            error on every rank, before anything is written.
+            error on every rank, before anything is written. During capture, this
+            rank's own argument error.
+        CollectiveError: during capture, a call this group has not agreed on before.
 
     """
     n, op = group.world_size, claim.op
@@ -85,6 +112,9 @@ def agree(
     flags = (NEEDS_LIST if listing is None or not claim.strict else 0) | (
         NO_TENSORS if listing is None else 0
     )
+    key = (op, claim.root, claim.reduce_op, claim.count, claim.bucket_bytes, digest, flags)
+    if capturing:
+        return _agreed_before(group, claim, key)
     slots = signature.of_call(op, n, None, claim.root, claim.reduce_op, claim.count)
     slots += [claim.bucket_bytes, digest, len(encoded), flags]
     signatures = checked.agree(group, op, slots, timeout, claim.error, on_device)
@@ -108,10 +138,32 @@ def agree(
         error = ArgumentValueError(problem) if problem else None
         checked.agree(group, op, signature.blank(op, n), timeout, error, on_device)
     if source_order is not None:
-        return Agreement(source_order.sorted(), source_order)
-    if layout is None:
+        agreement = Agreement(source_order.sorted(), source_order)
+    elif layout is None:
         raise AssertionError("a rank without tensors always receives the listing")
-    return Agreement(layout, None)
+    else:
+        agreement = Agreement(layout, None)
+    if group.device_type == "cuda":
+        kept = _agreed.setdefault(group, {})
+        kept.pop(key, None)
+        if len(kept) >= AGREEMENTS_KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = agreement
+    return agreement
+
+
+def _agreed_before(group: BaseGroup, claim: Claim, key: Hashable) -> Agreement:
+    """Return the agreement the group reached on the call ``key`` before; see the module doc."""
+    if claim.error is not None:
+        raise claim.error
+    found = _agreed.get(group, {}).get(key)
+    if found is None:
+        raise CollectiveError(
+            f"{claim.op} on group {group.group_name!r} while a CUDA graph is captured: the "
+            "ranks cannot compare their tensors during capture; make the same call once "
+            "before capturing it"
+        )
+    return found
 
 
 def _same_buckets(group: BaseGroup, op: str, sizes: list[int]) -> None:

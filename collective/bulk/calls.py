@@ -122,8 +122,14 @@ def _list_call(
         listing = listing if ok else None
         claim = Claim(op, "tensors", root, reduce_op, count, bucket, listing, True, captured.error)
         like = _like(group, xs)
+        if is_async and _capturing(like):
+            raise ArgumentValueError(
+                f"async_op must be False while a CUDA graph is captured, got {async_op!r}"
+            )
         turn.bound(AGREEMENT_OPS, checked_timeout or group.timeout)
-        agreement = agree(data, claim, checked_timeout, _on_device(like))
+        agreement = agree(
+            data, claim, checked_timeout, _on_device(like), capturing=_capturing(like)
+        )
         writes = reduce_op is not None or not reads
         mine = (lambda: _writable(xs)) if hit and writes else (lambda: xs)
         moves = _moves(
@@ -182,7 +188,9 @@ def broadcast_state_dict(
         )  # fmt: skip
         turn.bound(AGREEMENT_OPS, checked_timeout or group.timeout)
         like = _like(group, values)
-        agreement = agree(data, claim, checked_timeout, _on_device(like))
+        agreement = agree(
+            data, claim, checked_timeout, _on_device(like), capturing=_capturing(like)
+        )
         result = state_dict if receiving else None
         if state_dict is None and agreement.source_order is not None:
             source = agreement.source_order
@@ -228,6 +236,11 @@ def _like(group: BaseGroup, xs: list[Any]) -> Any:
     if xs and tensor.is_buffer(xs[0]) and tensor.on_gpu(xs[0]) == on_gpu:
         return xs[0]
     return tensor.empty("uint8", (0,), "cuda") if on_gpu else None
+
+
+def _capturing(like: Any) -> bool:
+    """Return whether the caller's stream on ``like`` (a GPU buffer, or None) captures a graph."""
+    return like is not None and tensor.on_gpu(like) and tensor.capturing(like)
 
 
 def _on_device(like: Any) -> Callable[[Any], Any]:

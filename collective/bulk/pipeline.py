@@ -135,10 +135,11 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
             free.append(slot)
 
     cpu = moves.group.device_type == "cpu"
+    capturing = not cpu and moves.like is not None and tensor.capturing(moves.like)
     for step in moves.steps:
         buffer = _in_place(moves, step)
         slot, batch = None, None
-        blocking = cpu and buffer is not None
+        blocking = (cpu and buffer is not None) or capturing
         if buffer is None:
             if not free and len(slots) == DEPTH:
                 while not free:

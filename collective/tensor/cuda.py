@@ -110,6 +110,21 @@ def current_stream(x: Any) -> int:
     return int(cupy.cuda.get_current_stream(x.device.id).ptr)
 
 
+def capturing(x: Any) -> bool:
+    """Return whether the caller's current stream on GPU buffer ``x``'s device captures a graph.
+
+    torch's current stream for a torch tensor, cupy's for a cupy array. Work queued
+    while it captures is recorded into the graph, not run: nothing may wait for it.
+    """
+    if is_torch(x):
+        import torch
+
+        return bool(torch.cuda.is_current_stream_capturing())
+    import cupy
+
+    return bool(cupy.cuda.get_current_stream(x.device.id).is_capturing())
+
+
 def _torch_raw_stream() -> Any:
     """Return torch's ``_cuda_getCurrentRawStream(device)`` (one C call), or None without it."""
     torch = sys.modules.get("torch")

@@ -117,3 +117,34 @@ def capture_public_ops_on_rank(context: RankContext, replays: int) -> list[list[
         seen.append([o.cpu().tolist() for o in outs])
     torch.cuda.synchronize(device)
     return seen
+
+
+def capture_unseen_bulk_call_on_rank(context: RankContext) -> tuple[str, str]:
+    """Capture an ``allreduce_tensors`` whose tensors the ranks never agreed on.
+
+    Returns the error's type name and message ("", "" if it did not raise).
+    """
+    import torch
+
+    import collective as col
+    from collective import lifecycle
+
+    group = cases._GROUPS[0]
+    name = group.group_name
+    lifecycle.create_group(name, lambda: (group, context.store))
+    device = torch.device("cuda", cases.gpu_of(context.rank))
+    xs = [torch.ones(3, device=device), torch.ones(5, device=device)]
+    col.allreduce(xs[0], name)  # warm up the communicator outside capture
+    torch.cuda.synchronize(device)
+    time.sleep(0.1)
+    graph = torch.cuda.CUDAGraph()
+    found = ("", "")
+    try:
+        with torch.cuda.graph(graph):
+            try:
+                col.allreduce_tensors(xs, name)
+            except Exception as exc:  # the test asserts which
+                found = (type(exc).__name__, str(exc))
+    except Exception as exc:  # ending a capture that raised may fail too
+        found = found if found[0] else (type(exc).__name__, str(exc))
+    return found

@@ -42,3 +42,13 @@ def test_the_public_ops_captured_in_one_graph_replay_right_on_new_inputs(world_s
             names = [op for op in capture.OPS if world_size > 1 or op != "send/recv"]
             for op, got, expect in zip(names, seen[rank][k], want, strict=True):
                 assert got == expect, f"rank {rank}, replay {k}, {op}: {got} != {expect}"
+
+
+def test_a_bulk_call_never_made_outside_capture_raises_during_capture() -> None:
+    from benchmarks.nccl_ranks import RankPool
+
+    with RankPool(1, timeout=timedelta(seconds=120)) as pool:
+        pool.run(cases.open_group, f"gpu-capture-{uuid.uuid4().hex[:8]}")
+        ((error, message),) = pool.run(capture.capture_unseen_bulk_call_on_rank)
+    assert error == "CollectiveError", (error, message)
+    assert "make the same call once before capturing it" in message, message
