@@ -285,6 +285,7 @@ class CpuGroupBase(BaseGroup):
         """Mark the group unusable, stop the local peers' waits, and tell every rank."""
         if self._error is None:
             self._error = error
+        self.launches.clear()
         if self._waiter is not None and self._steps is not None and self._mail is not None:
             self._waiter.abort(self._steps.all_counters() + self._mail.counters(), str(error))
         if self._watch is not None:
