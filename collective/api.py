@@ -1,6 +1,6 @@
 """The collective ops; each looks up its group, checks its arguments, then calls the group.
 
-allreduce, reduce and broadcast take the path of ``calls``: a call's arguments are
+allreduce, reduce, broadcast, send and recv take the path of ``calls``: a call's arguments are
 checked, and its launch built, on the first call of its key only.
 
 Every op writes its result into the caller's buffers in place and returns None,
@@ -18,17 +18,15 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks
-from collective.calls import ALLREDUCE, BROADCAST, REDUCE, call
+from collective.calls import ALLREDUCE, BROADCAST, RECV, REDUCE, SEND, call
 from collective.checks import checking
 from collective.lifecycle import get_group_handle
 from collective.outputs import check_written, unalias_output
 from collective.types import (
     AllGatherOptions,
     BarrierOptions,
-    RecvOptions,
     ReduceOp,
     ReduceScatterOptions,
-    SendOptions,
 )
 from collective.work import Work, issued
 
@@ -175,12 +173,7 @@ def send(
 
     Ranks are the group's own ranks. Each send is matched by one ``recv`` on the peer.
     """
-    group = get_group_handle(group_name)
-    dst_rank = checks.check_peer(dst_rank, group, "dst_rank")
-    with checking(group, "send", dst_rank):
-        checks.check_tensor(group, tensor, "tensor")
-        options = SendOptions(dst_rank, 0, 0, *checks.check_call(timeout, async_op))
-    return issued(group.send([tensor], options), async_op)
+    return call(SEND, get_group_handle(group_name), tensor, None, dst_rank, timeout, async_op)
 
 
 def recv(
@@ -192,10 +185,4 @@ def recv(
     async_op: bool = False,
 ) -> Work | None:
     """Receive into ``tensor``, in place, what ``src_rank`` of the group sends."""
-    group = get_group_handle(group_name)
-    src_rank = checks.check_peer(src_rank, group, "src_rank")
-    with checking(group, "recv", src_rank):
-        checks.check_tensor(group, tensor, "tensor")
-        options = RecvOptions(src_rank, 0, 0, *checks.check_call(timeout, async_op))
-        check_written(group, [("tensor", tensor)])
-    return issued(group.recv([tensor], options), async_op)
+    return call(RECV, get_group_handle(group_name), tensor, None, src_rank, timeout, async_op)

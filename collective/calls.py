@@ -27,7 +27,14 @@ from collective import checks
 from collective.checks import checking
 from collective.groups.base import BaseGroup
 from collective.outputs import check_written
-from collective.types import AllReduceOptions, BroadcastOptions, ReduceOp, ReduceOptions
+from collective.types import (
+    AllReduceOptions,
+    BroadcastOptions,
+    RecvOptions,
+    ReduceOp,
+    ReduceOptions,
+    SendOptions,
+)
 from collective.work import Work
 
 REDUCE_OP_VALUES: dict[Any, int] = {
@@ -52,6 +59,8 @@ class OneBufferOp:
     """Whether rank ``rank``'s buffer is written, with root ``root``: ``written(rank, root)``."""
     options: Callable[[ReduceOp, int, timedelta | None, bool], Any]
     """Builds the op's options from the checked reduction, root, timeout and ``async_op``."""
+    peer: bool = False
+    """Whether the root is the peer of a send or recv: another rank, checked first."""
 
 
 ALLREDUCE = OneBufferOp(
@@ -75,7 +84,23 @@ BROADCAST = OneBufferOp(
     lambda rank, root: rank != root,
     lambda op, root, timeout, async_op: BroadcastOptions(root, 0, timeout, async_op),
 )
-ONE_BUFFER = {op.name: op for op in (ALLREDUCE, REDUCE, BROADCAST)}
+SEND = OneBufferOp(
+    "send",
+    False,
+    "dst_rank",
+    lambda rank, root: False,
+    lambda op, root, timeout, async_op: SendOptions(root, 0, 0, timeout, async_op),
+    peer=True,
+)
+RECV = OneBufferOp(
+    "recv",
+    False,
+    "src_rank",
+    lambda rank, root: True,
+    lambda op, root, timeout, async_op: RecvOptions(root, 0, 0, timeout, async_op),
+    peer=True,
+)
+ONE_BUFFER = {op.name: op for op in (ALLREDUCE, REDUCE, BROADCAST, SEND, RECV)}
 """The ops on one buffer, by name: the ops ``BaseGroup.build`` builds launches of."""
 
 
@@ -91,7 +116,8 @@ def call(
     """Run ``op`` on ``x`` through the group's launch of the call's key, built if new.
 
     ``reduce_op`` is None for an op that reduces nothing, ``root`` -1 for one
-    without a root; the others are the public op's arguments as the caller gave them.
+    without a root (the peer for send and recv); the others are the public op's
+    arguments as the caller gave them.
 
     Raises:
         ArgumentError: an argument check failed (on a first call of its key).
@@ -136,9 +162,12 @@ def first_call(
 
     A launch that raises is not kept.
     """
-    with checking(group, op.name):
+    peer = None
+    if op.peer and op.root_name is not None:
+        root = peer = checks.check_peer(root, group, op.root_name)
+    with checking(group, op.name, peer):
         spec = checks.check_tensor(group, x, "tensor")
-        if op.root_name is not None:
+        if op.root_name is not None and not op.peer:
             root = checks.check_rank(root, group.world_size, op.root_name)
         if op.reduces:
             reduce_op = checks.check_reduce_op(group, reduce_op, spec)

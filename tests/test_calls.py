@@ -207,3 +207,37 @@ def test_a_cached_call_on_a_checked_group_still_agrees_with_the_other_ranks() ->
     for value, message in run_cpu(2, registered(fn, checked=True)):
         assert value == 4.0
         assert "different arguments" in message
+
+
+@pytest.mark.parametrize("options", [None, _GLOO], ids=["shm", "gloo"])
+def test_repeated_sends_and_receives_are_checked_once(
+    options: GroupOptions | None, checked_calls: dict[int, int]
+) -> None:
+    def fn(name: str, group: CpuGroup, rank: int) -> tuple[list[float], int]:
+        x = np.zeros(3)
+        got = []
+        for i in range(4):
+            if rank == 0:
+                x[:] = i
+                col.send(x, 1, name)
+            else:
+                col.recv(x, 0, name)
+                got.append(float(x[2]))
+        return got, checked_calls[threading.get_ident()]
+
+    results = run_cpu(2, registered(fn), options=options)
+    assert results == [([], 1), ([0.0, 1.0, 2.0, 3.0], 1)]
+
+
+def test_a_send_to_itself_is_refused_however_often_another_peer_was_used() -> None:
+    def fn(name: str, group: CpuGroup, rank: int) -> str:
+        x = np.ones(2)
+        peer = 1 - rank
+        for _ in range(2):
+            (col.send if rank == 0 else col.recv)(x, peer, name)
+        with pytest.raises(ArgumentValueError) as raised:
+            col.send(x, rank, name)
+        return str(raised.value)
+
+    for message in run_cpu(2, registered(fn)):
+        assert "must name another rank" in message

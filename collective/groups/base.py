@@ -206,18 +206,12 @@ class BaseGroup(ABC):
         return None
 
     key_of = staticmethod(cpu_key)
-    """Return what a launch on buffer ``x`` depends on, hashable; None: build one per call.
-
-    Buffers of equal keys pass the same checks and take the same launch. A backend of
-    CPU buffers keeps this one (see ``tensor.cpu_key``); the nccl backend's adds the
-    caller's stream."""
+    """Return what a launch on buffer ``x`` and its checks depend on (see ``calls``)."""
 
     def build(self, op: str, x: Any, options: Any) -> tuple[Launch, bool]:
         """Return the launch of ``op`` on buffers like ``x``, and whether to keep it.
 
-        ``op`` is one of ``calls.ONE_BUFFER``, ``options`` its checked options. This
-        default calls the op's method; a backend returns a launch of its own where
-        it has a faster one.
+        ``op`` is in ``calls.ONE_BUFFER``, ``options`` are checked. This one calls the op.
         """
         method = getattr(self, op)
         if options.async_op:

@@ -90,7 +90,6 @@ class CpuGroupBase(BaseGroup):
         self._waiter: Waiter | None = None
         self._steps: Steps | None = None
         self._short: ShortOps | None = None
-        self._timeout_s = timeout.total_seconds()
         self._mail: Mail | None = None
         self._plan: Flat | Hierarchy | None = None
         self._watch: FailureWatch | None = None

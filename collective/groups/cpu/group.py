@@ -39,6 +39,9 @@ from collective.types import (
 )
 from collective.work import Work
 
+_SHORT_OPS = frozenset(("allreduce", "reduce", "broadcast"))
+"""The ops the short path runs."""
+
 
 class CpuGroup(CpuGroupBase):
     """A group of CPU ranks: shared memory among ranks of a node, Gloo between nodes."""
@@ -68,7 +71,7 @@ class CpuGroup(CpuGroupBase):
         run ops (which raises why) or an op is queued or running on this rank.
         """
         short = self._short
-        if short is None or options.async_op:
+        if short is None or options.async_op or op not in _SHORT_OPS:
             return None
         flat = plain_flat(x)
         if flat is None:

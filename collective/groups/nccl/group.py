@@ -17,7 +17,7 @@ from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, consecutive, per_device
 from collective.groups.nccl.launch import Plan, Step
 from collective.groups.nccl.p2p import NcclPointToPoint
-from collective.groups.nccl.running import OpParts, Parts
+from collective.groups.nccl.running import OpParts
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -32,11 +32,6 @@ from collective.work import Work
 
 class NCCLGroup(NcclPointToPoint):
     """A group of GPU ranks connected by NCCL through ``cupy.cuda.nccl``."""
-
-    def _parts(self, op: str) -> Parts:
-        """Return how ``op``, a one-buffer op (see ``calls.ONE_BUFFER``), is described."""
-        parts: Parts = getattr(self, f"_{op}_parts")
-        return parts
 
     def _allreduce_parts(self, tensors: Sequence[Any], options: AllReduceOptions) -> OpParts:
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from collective import tensor
@@ -134,16 +135,15 @@ class NcclRunning(NCCLGroupBase):
         if options.async_op:
             run_async = self._run_async
             return (lambda x: run_async(launch, timeout, (x,), (x,))), kept
-        run = self._run
-
-        def blocking(x: Any) -> None:
-            run(launch, timeout)
-
-        return blocking, kept
+        return partial(self._run, launch, timeout), kept
 
     def _parts(self, op: str) -> Parts:
-        """Return how one-buffer op ``op`` is described; ``group.NCCLGroup`` has them."""
-        raise CollectiveError(f"{type(self).__name__} has no {op}")
+        """Return how ``op`` of ``calls.ONE_BUFFER`` is described: its ``_<op>_parts``.
+
+        ``group.NCCLGroup`` and ``p2p.NcclPointToPoint`` have them.
+        """
+        parts: Parts = getattr(self, f"_{op}_parts")
+        return parts
 
     def _build(
         self,
@@ -198,8 +198,10 @@ class NcclRunning(NCCLGroupBase):
                         self._launches[key] = launch
         return launch, kept
 
-    def _run(self, launch: Launch, timeout: timedelta) -> None:
+    def _run(self, launch: Launch, timeout: timedelta, x: Any = None) -> None:
         """Issue a blocking op's launch on the caller's streams; the watchdog watches it.
+
+        ``x``, the public call's buffer, is unused: the launch holds its address.
 
         Outside capture, the op's signature check reads the last finished result of
         its ring first, then goes just ahead of the op.
