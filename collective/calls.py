@@ -12,8 +12,9 @@ the launch: nothing is checked or described again. A call that has no key (an
 argument of an unusual type, a buffer that requires grad) is checked and built
 every time, and its launch is not kept.
 
-``ONE_BUFFER`` is the table of the ops that take one buffer: what each checks and
-which options it builds, written once for every backend.
+``ONE_BUFFER`` is the table of the ops that take one buffer (allreduce, reduce,
+broadcast, send, recv): what each checks and which options it builds, written once
+for every backend. A backend builds their launches in ``BaseGroup.build``.
 """
 
 from __future__ import annotations

@@ -123,8 +123,10 @@ def test_public_calls_are_checked_once_per_key_and_a_reused_address_of_another_d
         entries = without_checks(r.cupys[0].trace.entries)
         dtypes = [e.args[3] for e in entries if e.name == "allReduce" and e.thread == me]
         assert dtypes == [7, 7, 2] * 3, "float32, float32 (async), then int32 at the same address"
+        assert len(r.groups[0].launches) == 3
     finally:
         col.destroy_collective_group(name)
+    assert len(r.groups[0].launches) == 0, "destroy kept the launches"
 
 
 def test_another_buffer_stream_or_option_builds_its_own_launch(
