@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import collective as col
 from collective import calls, lifecycle
@@ -241,3 +242,17 @@ def test_a_send_to_itself_is_refused_however_often_another_peer_was_used() -> No
 
     for message in run_cpu(2, registered(fn)):
         assert "must name another rank" in message
+
+
+def test_new_cpu_buffers_like_the_last_ones_take_its_launch(checked_calls: dict[int, int]) -> None:
+    def fn(name: str, group: CpuGroup, rank: int) -> tuple[list[float], int]:
+        sums = []
+        for i in range(4):
+            fresh = torch.full((3,), float(rank + i)) if i % 2 else np.full(3, rank + i * 1.0)
+            col.allreduce(fresh, name)
+            sums.append(float(fresh[0]))
+        return sums, checked_calls[threading.get_ident()]
+
+    for sums, checked in run_cpu(2, registered(fn)):
+        assert sums == [1.0, 3.0, 5.0, 7.0]
+        assert checked == 2, "one check for the numpy arrays, one for the torch tensors"
