@@ -216,9 +216,9 @@ def _cpu_peer(port: int, name: str, transport: CpuTransport, calls: int) -> None
     options = GroupOptions(cpu_transport=transport)
     group = CpuGroup(2, 1, name, store, timedelta(seconds=60), options=options)
     y = np.ones(2, dtype=np.float32)
+    launch, _ = group.build("allreduce", y, AllReduceOptions())
     for _ in range(calls):
-        if not group.allreduce_now(y, "sum"):
-            group.allreduce([y], AllReduceOptions()).wait()
+        launch(y)
     group.destroy_group()
 
 

@@ -1,5 +1,8 @@
 """The collective ops; each looks up its group, checks its arguments, then calls the group.
 
+allreduce, reduce, broadcast, send and recv take the path of ``calls``: a call's arguments are
+checked, and its launch built, on the first call of its key only.
+
 Every op writes its result into the caller's buffers in place and returns None,
 as in ``ray.util.collective``. Its argument checks run before anything is sent;
 on a group with ``check_args=True`` one rank's argument error is raised on every
@@ -15,19 +18,15 @@ from datetime import timedelta
 from typing import Any
 
 from collective import checks
+from collective.calls import ALLREDUCE, BROADCAST, RECV, REDUCE, SEND, call
 from collective.checks import checking
 from collective.lifecycle import get_group_handle
 from collective.outputs import check_written, unalias_output
 from collective.types import (
     AllGatherOptions,
-    AllReduceOptions,
     BarrierOptions,
-    BroadcastOptions,
-    RecvOptions,
     ReduceOp,
-    ReduceOptions,
     ReduceScatterOptions,
-    SendOptions,
 )
 from collective.work import Work, issued
 
@@ -50,15 +49,7 @@ def allreduce(
         async_op: return a ``Work`` at once instead of waiting.
 
     """
-    group = get_group_handle(group_name)
-    if timeout is None and async_op is False and group.allreduce_now(tensor, op):
-        return None
-    with checking(group, "allreduce"):
-        spec = checks.check_tensor(group, tensor, "tensor")
-        op = checks.check_reduce_op(group, op, spec)
-        options = AllReduceOptions(op, *checks.check_call(timeout, async_op))
-        check_written(group, [("tensor", tensor)])
-    return issued(group.allreduce([tensor], options), async_op)
+    return call(ALLREDUCE, get_group_handle(group_name), tensor, op, -1, timeout, async_op)
 
 
 def barrier(
@@ -85,16 +76,7 @@ def reduce(
     Only ``dst_rank``'s ``tensor`` is written, with the result; every other rank's
     ``tensor`` is left exactly as it was.
     """
-    group = get_group_handle(group_name)
-    if timeout is None and async_op is False and group.reduce_now(tensor, op, dst_rank):
-        return None
-    with checking(group, "reduce"):
-        spec = checks.check_tensor(group, tensor, "tensor")
-        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
-        op = checks.check_reduce_op(group, op, spec)
-        options = ReduceOptions(op, dst_rank, 0, *checks.check_call(timeout, async_op))
-        check_written(group, [("tensor", tensor)] if group.rank == dst_rank else [])
-    return issued(group.reduce([tensor], options), async_op)
+    return call(REDUCE, get_group_handle(group_name), tensor, op, dst_rank, timeout, async_op)
 
 
 def broadcast(
@@ -109,15 +91,7 @@ def broadcast(
 
     The tensors must agree in shape and dtype across ranks; ``src_rank``'s is only read.
     """
-    group = get_group_handle(group_name)
-    if timeout is None and async_op is False and group.broadcast_now(tensor, src_rank):
-        return None
-    with checking(group, "broadcast"):
-        checks.check_tensor(group, tensor, "tensor")
-        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
-        options = BroadcastOptions(src_rank, 0, *checks.check_call(timeout, async_op))
-        check_written(group, [("tensor", tensor)] if group.rank != src_rank else [])
-    return issued(group.broadcast([tensor], options), async_op)
+    return call(BROADCAST, get_group_handle(group_name), tensor, None, src_rank, timeout, async_op)
 
 
 def allgather(
@@ -199,12 +173,7 @@ def send(
 
     Ranks are the group's own ranks. Each send is matched by one ``recv`` on the peer.
     """
-    group = get_group_handle(group_name)
-    dst_rank = checks.check_peer(dst_rank, group, "dst_rank")
-    with checking(group, "send", dst_rank):
-        checks.check_tensor(group, tensor, "tensor")
-        options = SendOptions(dst_rank, 0, 0, *checks.check_call(timeout, async_op))
-    return issued(group.send([tensor], options), async_op)
+    return call(SEND, get_group_handle(group_name), tensor, None, dst_rank, timeout, async_op)
 
 
 def recv(
@@ -216,10 +185,4 @@ def recv(
     async_op: bool = False,
 ) -> Work | None:
     """Receive into ``tensor``, in place, what ``src_rank`` of the group sends."""
-    group = get_group_handle(group_name)
-    src_rank = checks.check_peer(src_rank, group, "src_rank")
-    with checking(group, "recv", src_rank):
-        checks.check_tensor(group, tensor, "tensor")
-        options = RecvOptions(src_rank, 0, 0, *checks.check_call(timeout, async_op))
-        check_written(group, [("tensor", tensor)])
-    return issued(group.recv([tensor], options), async_op)
+    return call(RECV, get_group_handle(group_name), tensor, None, src_rank, timeout, async_op)

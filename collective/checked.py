@@ -14,7 +14,7 @@ messages. Every rank then raises the same error, and the group stays usable.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -52,6 +52,9 @@ class CheckedGroup(BaseGroup):
         )
         self._inner = inner
         inner.skip_agreement()
+        self.launches = inner.launches
+        """The wrapped group's, which its failure, abort and destroy empty; only this
+        group's launches (each with its agreement) are kept there."""
 
     @property
     def inner(self) -> BaseGroup:
@@ -89,6 +92,10 @@ class CheckedGroup(BaseGroup):
     def check_backend_availability(cls) -> bool:
         """Return True: the wrapper needs nothing of its own."""
         return True
+
+    def key_of(self, x: Any) -> Hashable | None:  # type: ignore[override]
+        """Return the wrapped group's key of buffer ``x``."""
+        return self._inner.key_of(x)
 
     def check_tensor(self, described: TensorSpec, name: str) -> None:
         """Reject a buffer the wrapped group cannot use."""

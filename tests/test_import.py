@@ -35,6 +35,7 @@ def test_public_names_are_all_exported() -> None:
         not in {
             "api",
             "bulk",
+            "calls",
             "checked",
             "checks",
             "elastic",

@@ -15,12 +15,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import collective as col
-from collective import lifecycle, tensor
+from collective import calls, lifecycle, tensor
 from collective.groups.nccl import launch as nccl_launch
 from collective.types import (
     AllReduceOptions,
@@ -96,6 +97,38 @@ def test_a_repeated_public_call_describes_nothing_and_makes_only_the_nccl_call(
         col.destroy_collective_group(name)
 
 
+def test_public_calls_are_checked_once_per_key_and_a_reused_address_of_another_dtype_rebuilds(
+    ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked: list[Any] = []
+    real = calls.checks.check_tensor
+
+    def spy(group: Any, x: Any, name: str) -> Any:
+        checked.append(x)
+        return real(group, x, name)
+
+    monkeypatch.setattr(calls.checks, "check_tensor", spy)
+    r = ranks(1)
+    name = _registered(r)
+    try:
+        x = DeviceArray(SHAPE, "float32")
+        same = DeviceArray(SHAPE, "int32")
+        same.ptr, same.data = x.ptr, SimpleNamespace(ptr=x.ptr, device_id=0)
+        for _ in range(3):
+            col.allreduce(x, name)
+            col.allreduce(x, name, async_op=True).wait()  # type: ignore[union-attr]
+            col.allreduce(same, name)
+        assert checked == [x, x, same], "a repeated call ran its checks again"
+        me = threading.get_ident()
+        entries = without_checks(r.cupys[0].trace.entries)
+        dtypes = [e.args[3] for e in entries if e.name == "allReduce" and e.thread == me]
+        assert dtypes == [7, 7, 2] * 3, "float32, float32 (async), then int32 at the same address"
+        assert len(r.groups[0].launches) == 3
+    finally:
+        col.destroy_collective_group(name)
+    assert len(r.groups[0].launches) == 0, "destroy kept the launches"
+
+
 def test_another_buffer_stream_or_option_builds_its_own_launch(
     ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,7 +167,7 @@ def test_the_cache_is_bounded_and_abort_drops_it(
     assert g._launches == {}
     with pytest.raises(CollectiveError, match="stopped by the test"):
         r.run(lambda _, g: g.allreduce([xs[-1]], AllReduceOptions()))
-    assert not g.allreduce_now(xs[-1], ReduceOp.SUM)
+    assert len(g.launches) == 0
 
 
 def test_a_blocking_op_that_never_finishes_is_aborted_by_the_watchdog(

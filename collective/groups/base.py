@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, cast
 
+from collective.groups.launches import Launch, Launches
 from collective.store import RendezvousStore
-from collective.tensor import TensorSpec
+from collective.tensor import TensorSpec, cpu_key
 from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,
@@ -75,6 +76,8 @@ class BaseGroup(ABC):
         self._options = (options or GroupOptions()).resolved()
         self._error: CollectiveError | None = None
         self._aborted: str | None = None
+        self.launches = Launches()
+        """The launches of this group's calls; see ``launches``."""
 
     @property
     def world_size(self) -> int:
@@ -202,29 +205,22 @@ class BaseGroup(ABC):
         """
         return None
 
-    def allreduce_now(self, tensor: Any, op: Any) -> bool:
-        """Run a blocking allreduce of ``tensor`` by ``op`` at once, if this group can cheaply.
+    key_of = staticmethod(cpu_key)
+    """Return what a launch on buffer ``x`` and its checks depend on (see ``calls``)."""
 
-        A backend with a path for short messages runs the op on it, as ``allreduce``
-        would with the group's timeout, and returns True; it returns False, having
-        done and checked nothing, for any call that path does not take. This one
-        takes none.
+    def build(self, op: str, x: Any, options: Any) -> tuple[Launch, bool]:
+        """Return the launch of ``op`` on buffers like ``x``, and whether to keep it.
+
+        ``op`` is in ``calls.ONE_BUFFER``, ``options`` are checked. This one calls the op.
         """
-        return False
+        method = getattr(self, op)
+        if options.async_op:
+            return (lambda x: method([x], options)), True
 
-    def reduce_now(self, tensor: Any, op: Any, root: Any) -> bool:
-        """Run a blocking reduce of ``tensor`` onto ``root`` at once, if this group can cheaply.
+        def launch(x: Any) -> None:
+            method([x], options)
 
-        As ``allreduce_now``: True once done, False having done and checked nothing.
-        """
-        return False
-
-    def broadcast_now(self, tensor: Any, root: Any) -> bool:
-        """Run a blocking broadcast of ``root``'s ``tensor`` at once, if this group can cheaply.
-
-        As ``allreduce_now``: True once done, False having done and checked nothing.
-        """
-        return False
+        return launch, True
 
     @property
     def takes_lists(self) -> bool:
@@ -346,11 +342,12 @@ class BaseGroup(ABC):
           it may make the other ranks' pending ops fail, as the loss of this rank
           would.
 
-        This base version only marks the group; a backend that can have ops
+        This base version marks the group and drops its launches; a backend that can have ops
         pending overrides it to end them, calling ``super().abort(reason)`` first.
         """
         if self._aborted is None:
             self._aborted = reason
+        self.launches.clear()
 
     @abstractmethod
     def destroy_group(self) -> None:

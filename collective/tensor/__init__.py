@@ -4,7 +4,7 @@
 lie, ``cpu`` wraps CPU buffers for the CPU backend and ``cuda`` GPU buffers for NCCL.
 """
 
-from collective.tensor.cpu import CpuBuffer, plain_flat, torch_view
+from collective.tensor.cpu import CpuBuffer, cpu_key, plain_flat, torch_view
 from collective.tensor.cuda import (
     CUPY_INSTALL_HINT,
     NCCL_DTYPES,
@@ -84,6 +84,7 @@ __all__ = [
     "capturing",
     "chunks",
     "copy_of",
+    "cpu_key",
     "cuda_buffer",
     "current_stream",
     "dtype_name",

@@ -47,6 +47,29 @@ def plain_flat(x: Any) -> np.ndarray | None:
     return x.numpy().ravel()
 
 
+def cpu_key(x: Any) -> tuple[Any, ...] | None:
+    """Return what an op on CPU buffer ``x`` and its checks depend on, hashable; None: no key.
+
+    For a numpy array (no subclass): its dtype (byte order included), shape, strides
+    and whether it is writeable. For a torch tensor (no subclass) that does not
+    require grad, of the strided layout: its device, dtype, shape and strides, and
+    whether it lies in Ray's object store, looked at again on every call
+    (``in_object_store``). The address is left out: an op is handed the buffer on
+    every call, so a new buffer like the last one takes its launch. Anything else
+    has no key: it is checked on every call.
+    """
+    if type(x) is np.ndarray:
+        return (np.ndarray, x.dtype, x.shape, x.strides, x.flags.writeable)
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or x.requires_grad:
+        return None
+    if x.layout is not torch.strided:
+        return None
+    device = x.device
+    held = x.is_cpu and in_object_store(x)
+    return (torch.Tensor, device, x.dtype, x.shape, x.stride(), held)
+
+
 class _WritableInterface:
     """An ``__array_interface__`` of a numpy array with its read-only flag cleared."""
 

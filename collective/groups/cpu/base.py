@@ -90,7 +90,6 @@ class CpuGroupBase(BaseGroup):
         self._waiter: Waiter | None = None
         self._steps: Steps | None = None
         self._short: ShortOps | None = None
-        self._timeout_s = timeout.total_seconds()
         self._mail: Mail | None = None
         self._plan: Flat | Hierarchy | None = None
         self._watch: FailureWatch | None = None
@@ -285,6 +284,7 @@ class CpuGroupBase(BaseGroup):
         """Mark the group unusable, stop the local peers' waits, and tell every rank."""
         if self._error is None:
             self._error = error
+        self.launches.clear()
         if self._waiter is not None and self._steps is not None and self._mail is not None:
             self._waiter.abort(self._steps.all_counters() + self._mail.counters(), str(error))
         if self._watch is not None:

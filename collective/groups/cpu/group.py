@@ -10,7 +10,7 @@ the group's full Gloo group.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,8 +19,8 @@ from collective.groups.cpu.base import CpuGroupBase
 from collective.groups.cpu.plans import Flat, Hierarchy
 from collective.groups.gloo import GlooGroup
 from collective.groups.gloo.work import buffer_list, commit_all, one_buffer
+from collective.groups.launches import Launch
 from collective.groups.shm.mail import Mail
-from collective.groups.shm.short import ShortOps
 from collective.signature import dtype_code
 from collective.tensor import CpuBuffer, plain_flat
 from collective.tensor.bytelist import ByteList
@@ -33,13 +33,15 @@ from collective.types import (
     CollectiveError,
     GatherOptions,
     RecvOptions,
-    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
     SendOptions,
 )
 from collective.work import Work
+
+_SHORT_OPS = frozenset(("allreduce", "reduce", "broadcast"))
+"""The ops the short path runs."""
 
 
 class CpuGroup(CpuGroupBase):
@@ -50,55 +52,62 @@ class CpuGroup(CpuGroupBase):
             raise CollectiveError(f"group {self.group_name!r} has been destroyed")
         return self._plan
 
-    def allreduce_now(self, tensor: Any, op: Any) -> bool:
-        """Run a blocking allreduce of a short plain buffer at once; see ``ShortOps``.
+    def build(self, op: str, x: Any, options: Any) -> tuple[Launch, bool]:
+        """Return the short path's launch where it takes the call, else the general one's.
 
-        Returns False, having done nothing, when the group has no short path (it
-        spans nodes, or this rank is alone), when the group cannot run ops (the
-        general path raises why), when an op is queued or running on this rank,
-        and for any call the short path does not take.
+        See ``BaseGroup.build`` and ``short_launch``.
         """
-        if type(op) is not ReduceOp:
-            return False
-        return self._now("allreduce", tensor, lambda s, x, d: s.allreduce(x, op, d))
+        launch = self.short_launch(op, x, options)
+        if launch is not None:
+            return launch, True
+        return super().build(op, x, options)
 
-    def reduce_now(self, tensor: Any, op: Any, root: Any) -> bool:
-        """Run a blocking reduce of a short plain buffer at once; False as ``allreduce_now``."""
-        if type(op) is not ReduceOp or not self._is_rank(root):
-            return False
-        return self._now("reduce", tensor, lambda s, x, d: s.reduce(x, op, root, d))
+    def short_launch(self, op: str, x: Any, options: Any) -> Launch | None:
+        """Return the launch of blocking ``op`` on short plain buffers like ``x``; see ``ShortOps``.
 
-    def broadcast_now(self, tensor: Any, root: Any) -> bool:
-        """Run a blocking broadcast of a short plain buffer at once; False as ``allreduce_now``."""
-        if not self._is_rank(root):
-            return False
-        return self._now("broadcast", tensor, lambda s, x, d: s.broadcast(x, root, d))
-
-    def _is_rank(self, root: Any) -> bool:
-        return type(root) is int and 0 <= root < self.world_size
-
-    def _now(
-        self, op: str, tensor: Any, run: Callable[[ShortOps, np.ndarray, float], bool]
-    ) -> bool:
-        """Run ``op`` on the short path as ``run(short, flat, deadline)``; see ``allreduce_now``."""
+        ``options`` are the call's checked options. Returns None, having done
+        nothing, when the group has no short path (it spans nodes, or this rank is
+        alone, or Gloo was asked for), for an async call, and for any buffer that
+        path does not take. The launch takes the general path when the group cannot
+        run ops (which raises why) or an op is queued or running on this rank.
+        """
         short = self._short
-        if short is None or self._error is not None:
-            return False
-        flat = plain_flat(tensor)
-        watch = self._watch
-        if flat is None or self._closing or self._aborted is not None or watch is None:
-            return False
-        if watch.failure is not None:
-            return False
+        if short is None or options.async_op or op not in _SHORT_OPS:
+            return None
+        flat = plain_flat(x)
+        if flat is None:
+            return None
+        root = getattr(options, "root_rank", -1)
+        plan = short.plan(op, flat, getattr(options, "reduce_op", None), root)
+        if plan is None:
+            return None
+        run = getattr(short, op)
+        numpy = type(x) is np.ndarray
+        general = super().build(op, x, options)[0]
+        timeout = options.timeout or self.timeout
+        seconds = timeout.total_seconds()
         lane = self._lane("collective")
-        if not lane.enter():
-            return False
-        try:
-            return run(short, flat, time.monotonic() + self._timeout_s)
-        except BaseException as exc:
-            self._raise_failure(op, self.timeout, exc)
-        finally:
-            lane.leave()
+
+        def launch(x: Any) -> None:
+            watch = self._watch
+            if (
+                self._error is not None
+                or self._closing
+                or self._aborted is not None
+                or watch is None
+                or watch.failure is not None
+                or not lane.enter()
+            ):
+                general(x)
+                return
+            try:
+                run(plan, x.ravel() if numpy else x.numpy().ravel(), time.monotonic() + seconds)
+            except BaseException as exc:
+                self._raise_failure(op, timeout, exc)
+            finally:
+                lane.leave()
+
+        return launch
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""

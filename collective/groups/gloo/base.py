@@ -146,6 +146,7 @@ class GlooGroupBase(BaseGroup):
         if self._aborted is not None:
             return self._aborted_error(op)
         self._error = self._failure(op, timeout, exc, number)
+        self.launches.clear()
         if self._watch is not None:
             self._watch.report(str(self._error))
         return self._error

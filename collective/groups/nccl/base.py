@@ -170,6 +170,7 @@ class NCCLGroupBase(BaseGroup):
         """Refuse later ops and forget every launch (they hold the communicators)."""
         self._open = False
         self._launches = {}
+        self.launches.clear()
 
     def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
         """Mark the group unusable after ``exc``, abort its communicators, return the error."""

@@ -13,43 +13,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from collective import tensor
 from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, consecutive, per_device
 from collective.groups.nccl.launch import Plan, Step
 from collective.groups.nccl.p2p import NcclPointToPoint
+from collective.groups.nccl.running import OpParts
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
     ArgumentValueError,
     BarrierOptions,
     BroadcastOptions,
-    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
 )
 from collective.work import Work
 
-REDUCE_OP_NAMES: dict[str, int] = {
-    alias: op._value_ for op in ReduceOp for alias in (op.name, op.name.lower())
-}
-"""The value of each ``ReduceOp`` by its names, as the public ops take them; for cached calls.
-
-Launch keys hold a reduction's value, not the member: hashing an enum member runs
-Python code (``Enum.__hash__``), hashing an int does not."""
-
-
-def _op_value(op: Any) -> int:
-    """Return the value of ``op``, a ``ReduceOp`` or one of its names (KeyError otherwise)."""
-    return op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op]
-
 
 class NCCLGroup(NcclPointToPoint):
     """A group of GPU ranks connected by NCCL through ``cupy.cuda.nccl``."""
 
-    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
-        """Reduce by ``options.reduce_op`` into every rank's tensors, in place."""
-
+    def _allreduce_parts(self, tensors: Sequence[Any], options: AllReduceOptions) -> OpParts:
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:
             bufs = per_device(tensors, "tensor_list")
             self.check_reduce_op(options.reduce_op, bufs[0].dtype)
@@ -61,45 +45,12 @@ class NCCLGroup(NcclPointToPoint):
 
             return tensors, self._comms_of(bufs), plan
 
-        extra = (options.reduce_op._value_,)
-        signed = (-1, options.reduce_op)
-        return self._op("allreduce", options, tensors, tensors, extra, builder, signed)
+        return (options.reduce_op._value_,), builder, (-1, options.reduce_op)
 
-    def allreduce_now(self, x: Any, op: Any) -> bool:
-        """Run a blocking allreduce whose launch is cached; False, doing nothing, on a miss."""
-        try:  # the hottest call: the op's value is read inline
-            extra = (op._value_ if type(op) is ReduceOp else REDUCE_OP_NAMES[op],)
-        except (KeyError, TypeError):
-            return False
-        return self._cached("allreduce", extra, x)
-
-    def reduce_now(self, x: Any, op: Any, root: Any) -> bool:
-        """Run a blocking reduce whose launch is cached; False, doing nothing, on a miss."""
-        try:
-            extra = (_op_value(op), root, 0) if type(root) is int else None
-        except (KeyError, TypeError):
-            return False
-        return self._cached("reduce", extra, x)
-
-    def broadcast_now(self, x: Any, root: Any) -> bool:
-        """Run a blocking broadcast whose launch is cached; False, doing nothing, on a miss."""
-        return self._cached("broadcast", (root, 0) if type(root) is int else None, x)
-
-    def _cached(self, op: str, extra: Any, x: Any) -> bool:
-        """Run the cached blocking launch of ``op`` on ``x`` with ``extra``; False on a miss.
-
-        The key is the one ``_op`` files the launch under, for one buffer on the
-        caller's current stream; a buffer it cannot describe is a miss too.
-        """
-        try:
-            key = (op, False, extra, (tensor.buffer_key(x),), (tensor.current_stream(x),))
-            launch = self._launches.get(key)
-        except (KeyError, TypeError, AttributeError):
-            return False
-        if launch is None:
-            return False
-        self._run(launch, self._timeout)
-        return True
+    def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
+        """Reduce by ``options.reduce_op`` into every rank's tensors, in place."""
+        parts = self._allreduce_parts(tensors, options)
+        return self._op("allreduce", options, tensors, tensors, *parts)
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier: a one-element allreduce."""
@@ -115,9 +66,7 @@ class NCCLGroup(NcclPointToPoint):
             work.wait(options.timeout)
         return work
 
-    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
-        """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
-
+    def _reduce_parts(self, tensors: Sequence[Any], options: ReduceOptions) -> OpParts:
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:
             bufs = per_device(tensors, "tensor_list")
             self.check_reduce_op(options.reduce_op, bufs[0].dtype)
@@ -131,12 +80,14 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), plan
 
         extra = (options.reduce_op._value_, options.root_rank, options.root_tensor)
-        signed = (options.root_rank, options.reduce_op)
-        return self._op("reduce", options, tensors, tensors, extra, builder, signed)
+        return extra, builder, (options.root_rank, options.reduce_op)
 
-    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
-        """Copy the root's tensor into every other rank's tensors, in place."""
+    def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
+        """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
+        parts = self._reduce_parts(tensors, options)
+        return self._op("reduce", options, tensors, tensors, *parts)
 
+    def _broadcast_parts(self, tensors: Sequence[Any], options: BroadcastOptions) -> OpParts:
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:
             bufs = per_device(tensors, "tensor_list")
             root = options.root_rank * len(bufs) + options.root_tensor
@@ -148,8 +99,12 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), plan
 
         extra = (options.root_rank, options.root_tensor)
-        signed = (options.root_rank, None)
-        return self._op("broadcast", options, tensors, tensors, extra, builder, signed)
+        return extra, builder, (options.root_rank, None)
+
+    def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
+        """Copy the root's tensor into every other rank's tensors, in place."""
+        parts = self._broadcast_parts(tensors, options)
+        return self._op("broadcast", options, tensors, tensors, *parts)
 
     def allgather(
         self,

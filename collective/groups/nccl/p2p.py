@@ -14,7 +14,7 @@ from collective import tensor
 from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import buffers_on, per_device
 from collective.groups.nccl.launch import Plan, Step
-from collective.groups.nccl.running import NcclRunning
+from collective.groups.nccl.running import NcclRunning, OpParts
 from collective.tensor import CudaBuffer
 from collective.types import (
     AllToAllOptions,
@@ -34,11 +34,15 @@ class NcclPointToPoint(NcclRunning):
     """The send/recv-based ops of ``NCCLGroup``, on the communicators and launcher of its base."""
 
     def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
-        """Send or receive on the communicator of this endpoint and the peer's.
-
-        The lower endpoint ``(rank, gpu index)`` of the pair is NCCL rank 0.
-        """
+        """Send or receive on the communicator of this endpoint and the peer's."""
         self._check_usable(self._destroyed)
+        parts = self._p2p_parts(op, tensors, options, peer, gpu)
+        return self._op(op, options, tensors, tensors, *parts)
+
+    def _p2p_parts(
+        self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int
+    ) -> OpParts:
+        """Describe a send or recv; the lower endpoint ``(rank, gpu index)`` is NCCL rank 0."""
 
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:
             if len(tensors) != 1:
@@ -61,8 +65,13 @@ class NcclPointToPoint(NcclRunning):
 
             return tensors, communicators, plan
 
-        extra = (peer, gpu, options.n_elements)
-        return self._op(op, options, tensors, tensors, extra, builder)
+        return (peer, gpu, options.n_elements), builder, None
+
+    def _send_parts(self, tensors: Sequence[Any], options: SendOptions) -> OpParts:
+        return self._p2p_parts("send", tensors, options, options.dst_rank, options.dst_gpu_index)
+
+    def _recv_parts(self, tensors: Sequence[Any], options: RecvOptions) -> OpParts:
+        return self._p2p_parts("recv", tensors, options, options.src_rank, options.src_gpu_index)
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Send the tensor (or its first ``n_elements``) to GPU ``dst_gpu_index`` of the peer."""

@@ -28,16 +28,24 @@ input early is safe.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from collective import tensor
+from collective.groups.launches import Launch as PublicLaunch
 from collective.groups.nccl.base import Builder, NCCLGroupBase
 from collective.groups.nccl.cuda import NcclWork, follow, record, settled
 from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
 from collective.types import CollectiveError, ReduceOp
 from collective.work import Work
+
+OpParts = tuple[tuple[Any, ...], Builder, "tuple[int, ReduceOp | None] | None"]
+"""How an op is described for ``NcclRunning._op``: ``(extra, builder, signed)``."""
+
+Parts = Callable[[Sequence[Any], Any], OpParts]
+"""Returns a one-buffer op's ``OpParts`` for ``(tensors, options)``."""
 
 
 class NcclRunning(NCCLGroupBase):
@@ -73,6 +81,24 @@ class NcclRunning(NCCLGroupBase):
         ``signed`` the root and reduction of a collective whose signature the ranks
         compare (see ``mismatch``), None for an op they do not.
         """
+        timeout = options.timeout or self.timeout
+        launch, _ = self._launch(op, options, buffers, anchors, extra, builder, signed)
+        if options.async_op:
+            return self._run_async(launch, timeout, anchors, buffers)
+        self._run(launch, timeout)
+        return DONE
+
+    def _launch(
+        self,
+        op: str,
+        options: Any,
+        buffers: Sequence[Any],
+        anchors: Sequence[Any],
+        extra: tuple[Any, ...],
+        builder: Builder,
+        signed: tuple[int, ReduceOp | None] | None = None,
+    ) -> tuple[Launch, bool]:
+        """Return the launch of a call of ``op`` (see ``_op``), and whether it is kept."""
         key = (
             op,
             options.async_op,
@@ -80,14 +106,44 @@ class NcclRunning(NCCLGroupBase):
             tuple(map(tensor.buffer_key, buffers)),
             tuple(map(tensor.current_stream, anchors)),
         )
-        timeout = options.timeout or self.timeout
         launch = self._launches.get(key)
-        if launch is None:
-            launch = self._build(key, op, options.async_op, timeout, builder, signed)
+        if launch is not None:
+            return launch, True
+        timeout = options.timeout or self.timeout
+        return self._build(key, op, options.async_op, timeout, builder, signed)
+
+    def key_of(self, x: Any) -> Hashable | None:  # type: ignore[override]
+        """Return ``x``'s ``tensor.buffer_key`` and the caller's current stream on its device.
+
+        None for a buffer on no GPU, or one that has no key.
+        """
+        key = tensor.buffer_key(x)
+        if key is None or key[4] < 0:
+            return None
+        return (key, tensor.current_stream(x))
+
+    def build(self, op: str, x: Any, options: Any) -> tuple[PublicLaunch, bool]:
+        """Return the launch of a public call of ``op`` on ``x``: its NCCL launch, issued.
+
+        See ``BaseGroup.build``. The launch runs on the caller's current stream when
+        blocking, on the comm stream when async (see the module's doc).
+        """
+        tensors = (x,)
+        parts = self._parts(op)(tensors, options)
+        launch, kept = self._launch(op, options, tensors, tensors, *parts)
+        timeout = options.timeout or self.timeout
         if options.async_op:
-            return self._run_async(launch, timeout, anchors, buffers)
-        self._run(launch, timeout)
-        return DONE
+            run_async = self._run_async
+            return (lambda x: run_async(launch, timeout, (x,), (x,))), kept
+        return partial(self._run, launch, timeout), kept
+
+    def _parts(self, op: str) -> Parts:
+        """Return how ``op`` of ``calls.ONE_BUFFER`` is described: its ``_<op>_parts``.
+
+        ``group.NCCLGroup`` and ``p2p.NcclPointToPoint`` have them.
+        """
+        parts: Parts = getattr(self, f"_{op}_parts")
+        return parts
 
     def _build(
         self,
@@ -97,7 +153,7 @@ class NcclRunning(NCCLGroupBase):
         timeout: timedelta,
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None,
-    ) -> Launch:
+    ) -> tuple[Launch, bool]:
         """Check the buffers, make the communicators if new, and build (and keep) the launch.
 
         A launch built while its stream captures a CUDA graph allocates nothing: it has
@@ -133,16 +189,19 @@ class NcclRunning(NCCLGroupBase):
                 launch = build(op, devices, comms, streams, plan, markers, check)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
-            if None not in key[3] and not capturing:
+            kept = None not in key[3] and not capturing
+            if kept:
                 with self._lock:
                     if self._open:
                         if len(self._launches) >= LAUNCHES_KEPT:
                             self._launches.pop(next(iter(self._launches)))
                         self._launches[key] = launch
-        return launch
+        return launch, kept
 
-    def _run(self, launch: Launch, timeout: timedelta) -> None:
+    def _run(self, launch: Launch, timeout: timedelta, x: Any = None) -> None:
         """Issue a blocking op's launch on the caller's streams; the watchdog watches it.
+
+        ``x``, the public call's buffer, is unused: the launch holds its address.
 
         Outside capture, the op's signature check reads the last finished result of
         its ring first, then goes just ahead of the op.

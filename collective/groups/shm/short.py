@@ -10,10 +10,10 @@ so a rank on this path and a rank on the general one meet in the same op. It
 reduces with the ufuncs of ``Reducer`` in the general path's order, so every rank
 gets the general path's bits.
 
-It only takes what needs no checking: a flat view of a plain buffer (see
-``tensor.plain_flat``) of a dtype and a reduction the group accepts. For anything
-else it returns False, and the caller runs the general path, which checks the
-arguments and raises their errors.
+It takes a flat view of a plain buffer (see ``tensor.plain_flat``) of a dtype and
+a reduction the group accepts; ``plan`` says None for anything else. The CPU group
+makes a call's plan once, when it builds the call's launch (see ``calls``), after
+the call's checks; the launch then runs the op with it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class _Plan:
     """The world size for AVG, which divides the sum by it; else 0."""
     parts: list[list[np.ndarray]]
     """Per slot buffer, every local rank's slot as a typed array of the message's length."""
+    root: int
+    """The op's root, -1 for allreduce."""
 
 
 class ShortOps:
@@ -69,26 +71,27 @@ class ShortOps:
         self._limit = min(SHORT_BYTES, steps.slot_bytes)
         self._plans: dict[PlanKey, _Plan | None] = {}
 
-    def _plan(self, kind: str, flat: np.ndarray, op: ReduceOp | None, root: int) -> _Plan | None:
+    def plan(self, kind: str, flat: np.ndarray, op: ReduceOp | None, root: int) -> _Plan | None:
+        """Return the plan of ``kind`` on buffers like ``flat``; None if this path does not take it.
+
+        It does not take a message longer than ``SHORT_BYTES`` or of a dtype or
+        reduction the group does not accept. ``root`` is -1 for allreduce.
+        """
         key = (kind, flat.dtype, flat.size, op, root)
         plan = self._plans.get(key)
         if plan is None and key not in self._plans:
             plan = self._prepare(key)
         return plan
 
-    def allreduce(self, flat: np.ndarray, op: ReduceOp, deadline: float) -> bool:
-        """Reduce every rank's ``flat`` into every rank's ``flat`` in place; False if not taken.
+    def allreduce(self, plan: _Plan, flat: np.ndarray, deadline: float) -> None:
+        """Reduce every rank's ``flat`` into every rank's ``flat`` in place, as ``plan`` says.
 
-        Returns False, having done nothing, when the message is longer than
-        ``SHORT_BYTES`` or of a dtype or reduction the group does not accept.
+        ``plan`` is the one ``plan`` gave for ``flat``'s dtype and length.
 
         Raises:
             TimeoutError, PeerDiedError, AbortedError, MismatchError: as ``Steps``.
 
         """
-        plan = self._plan("allreduce", flat, op, -1)
-        if plan is None:
-            return False
         steps = self._steps
         step, parts = self._start(plan)
         self._give(step, parts, flat, deadline)
@@ -100,17 +103,14 @@ class ShortOps:
         if plan.divisor:
             np.divide(flat, plan.divisor, out=flat)
         steps.done(step)
-        return True
 
-    def reduce(self, flat: np.ndarray, op: ReduceOp, root: int, deadline: float) -> bool:
-        """Reduce every rank's ``flat`` into ``root``'s, in place; False if not taken.
+    def reduce(self, plan: _Plan, flat: np.ndarray, deadline: float) -> None:
+        """Reduce every rank's ``flat`` into the root's, in place; raises as ``allreduce``.
 
-        The other ranks' ``flat`` is only read. ``root`` is a local rank the caller checked.
-        Declines and raises as ``allreduce``.
+        The other ranks' ``flat`` is only read. The root is ``plan``'s, a local rank
+        the caller checked.
         """
-        plan = self._plan("reduce", flat, op, root)
-        if plan is None:
-            return False
+        root = plan.root
         steps = self._steps
         step, parts = self._start(plan)
         if steps.rank != root:
@@ -125,17 +125,14 @@ class ShortOps:
             if plan.divisor:
                 np.divide(flat, plan.divisor, out=flat)
         steps.done(step)
-        return True
 
-    def broadcast(self, flat: np.ndarray, root: int, deadline: float) -> bool:
-        """Copy ``root``'s ``flat`` into every other rank's, in place; False if not taken.
+    def broadcast(self, plan: _Plan, flat: np.ndarray, deadline: float) -> None:
+        """Copy the root's ``flat`` into every other rank's, in place; raises as ``allreduce``.
 
-        ``root``'s ``flat`` is only read. ``root`` is a local rank the caller checked.
-        Declines and raises as ``allreduce``.
+        The root's ``flat`` is only read. The root is ``plan``'s, a local rank the
+        caller checked.
         """
-        plan = self._plan("broadcast", flat, None, root)
-        if plan is None:
-            return False
+        root = plan.root
         steps = self._steps
         step, parts = self._start(plan)
         if steps.rank == root:
@@ -146,7 +143,6 @@ class ShortOps:
             steps.collect(root, step, deadline)
             flat[...] = parts[root]
         steps.done(step)
-        return True
 
     def _start(self, plan: _Plan) -> tuple[int, list[np.ndarray]]:
         """Begin ``plan``'s op; return its step and every rank's slot for that step."""
@@ -182,6 +178,7 @@ class ShortOps:
                 None if op is None else UFUNCS[op],
                 divisor,
                 parts,
+                root,
             )
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
