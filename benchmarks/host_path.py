@@ -37,7 +37,7 @@ import collective as col
 from collective import lifecycle, tensor
 from collective.groups.nccl import NCCLGroup
 from collective.groups.nccl import comm as nccl_comm
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.tensor.kinds import is_torch
 from collective.types import AllReduceOptions, CpuTransport, GroupOptions
 from tests.nccl_binding import DeviceArray, FakeDevice, FakeEvent, Pinned, _Devices

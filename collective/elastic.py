@@ -20,12 +20,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, lifecycle, ray_process, rendezvous
+from collective import checks, lifecycle, ray_process
 from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup, constructor
-from collective.liveness import current_member
-from collective.rendezvous import RayRendezvousStore
-from collective.store_client import RPC_GRACE_S
+from collective.rendezvous import membership
+from collective.rendezvous.client import RPC_GRACE_S, RayRendezvousStore
+from collective.rendezvous.liveness import current_member
 from collective.types import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -172,7 +172,7 @@ def grow_declared_group(actors: list[Any], group_name: str = "default") -> list[
     ids = ray_process.actor_ids(actors, "actors")
     if not ids:
         raise ArgumentValueError("actors must name at least one new member, got []")
-    declaration = rendezvous.declaration(checks.check_group_name(group_name))
+    declaration = membership.declaration(checks.check_group_name(group_name))
     members = set(declaration.ranks) if declaration is not None else set()
     already = [i for i, actor in enumerate(ids) if actor in members]
     if already:
@@ -263,7 +263,7 @@ def _redeclare(group_name: str, drop: list[str], add: list[str]) -> dict[str, in
     checks.check_group_name(group_name)
     if ray_process.in_ray_worker():
         raise CollectiveError("declared groups are reshaped from the driver, not inside an actor")
-    status, detail = rendezvous.redeclare(group_name, drop, add)
+    status, detail = membership.redeclare(group_name, drop, add)
     if status == "ok":
         return dict(detail)
     if status == "absent":

@@ -8,11 +8,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, ray_process, registry, rendezvous
+from collective import checks, ray_process, registry
 from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup, GroupConstructor, constructor
 from collective.manager import GroupManager
-from collective.rendezvous import Declaration, RayRendezvousStore
+from collective.rendezvous import membership
+from collective.rendezvous.client import RayRendezvousStore, set_end_handler
+from collective.rendezvous.state import Declaration
 from collective.types import (
     ArgumentValueError,
     Backend,
@@ -24,7 +26,7 @@ from collective.types import (
 )
 
 _manager = GroupManager()
-rendezvous.set_end_handler(_manager.end)
+set_end_handler(_manager.end)
 
 
 def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
@@ -52,7 +54,7 @@ def _join_and_build(
     cls = registry.group_class(backend)
     start = time.monotonic()
     try:
-        store, newcomer = rendezvous.join_store(
+        store, newcomer = membership.join_store(
             group_name, rank, world_size, backend, timeout, declared
         )
     except TimeoutError as exc:
@@ -71,11 +73,11 @@ def _join_and_build(
         )
     except (TimeoutError, CollectiveTimeoutError) as exc:
         detail = exc.detail if isinstance(exc, CollectiveTimeoutError) else str(exc)
-        detail = f"{detail}; {rendezvous.missing_ranks_detail(store)}"
-        rendezvous.leave_store(store, rank)
+        detail = f"{detail}; {membership.missing_ranks_detail(store)}"
+        membership.leave_store(store, rank)
         raise CollectiveTimeoutError("init", group_name, rank, timeout, detail) from exc
     except BaseException:
-        rendezvous.leave_store(store, rank)
+        membership.leave_store(store, rank)
         raise
     return (CheckedGroup(group) if check_args else group), store
 
@@ -114,18 +116,18 @@ def build_incarnation(
     name = store.group_name
     try:
         if check_args is not None:
-            rendezvous.agree(store, "check_args", rank, check_args, timeout)
+            membership.agree(store, "check_args", rank, check_args, timeout)
         group = build(
             world_size, rank, name, store, timeout, ray_process.node_ip(), options=options
         )
     except BaseException as exc:
         if commit_s is not None:
             with contextlib.suppress(CollectiveError):
-                rendezvous.commit(store, rank, exc, 0.0)
+                membership.commit(store, rank, exc, 0.0)
         raise
     if commit_s is not None:
         try:
-            rendezvous.commit(store, rank, None, commit_s)
+            membership.commit(store, rank, None, commit_s)
         except BaseException:
             group.destroy_group()
             raise
@@ -175,7 +177,7 @@ def declared_rank(group_name: str) -> tuple[Declaration, int] | None:
     """Return the declaration of ``group_name`` and this actor's rank in it, or None."""
     if not ray_process.in_ray_worker():
         return None
-    declaration = rendezvous.declaration(group_name)
+    declaration = membership.declaration(group_name)
     actor_id = ray_process.ray_module().get_runtime_context().get_actor_id()
     if declaration is None or actor_id not in declaration.ranks:
         return None
@@ -354,10 +356,12 @@ def declare_collective_group(
     backend = registry.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
     registry.group_class(backend, here=False)
-    membership = dict(zip(ids, ranks, strict=True))
-    declaration = Declaration(world_size, backend, membership, group_timeout, check_args, options)
+    ranks_by_actor = dict(zip(ids, ranks, strict=True))
+    declaration = Declaration(
+        world_size, backend, ranks_by_actor, group_timeout, check_args, options
+    )
     try:
-        rendezvous.declare_store(group_name, declaration)
+        membership.declare_store(group_name, declaration)
     except TimeoutError as exc:
         raise CollectiveError(f"cannot declare group {group_name!r}: {exc}") from exc
 
@@ -382,11 +386,11 @@ def destroy_collective_group(group_name: str = "default") -> None:
         group, store = entry
         group.destroy_group()
         if isinstance(store, RayRendezvousStore):
-            rendezvous.leave_store(store, group.rank)
+            membership.leave_store(store, group.rank)
         return
     ray = ray_process.ray_module()
     if ray.is_initialized() and not ray_process.in_ray_worker():
-        rendezvous.end_group(group_name)
+        membership.end_group(group_name)
 
 
 def destroy_all_collective_groups() -> None:
@@ -400,5 +404,5 @@ def destroy_all_collective_groups() -> None:
         destroy_collective_group(name)
     ray = ray_process.ray_module()
     if ray.is_initialized() and not ray_process.in_ray_worker():
-        for name in rendezvous.list_groups():
+        for name in membership.list_groups():
             destroy_collective_group(name)

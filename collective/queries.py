@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from collective import lifecycle, ray_process, registry, rendezvous
+from collective import lifecycle, ray_process, registry
+from collective.rendezvous import membership
 from collective.types import ArgumentTypeError, Backend
 
 
@@ -61,7 +62,7 @@ def list_collective_groups() -> list[str]:
     until all its members are dead. Subgroups made by ``new_group`` meet inside their
     parent's rendezvous and are not listed.
     """
-    return rendezvous.list_groups() if ray_process.ray_running() else []
+    return membership.list_groups() if ray_process.ray_running() else []
 
 
 def get_collective_groups(
@@ -84,4 +85,4 @@ def get_collective_groups(
             f"actors must be a list of actor handles, got {type(actors).__name__}"
         )
     ids = sorted({actor._ray_actor_id.hex() for actor in actors})
-    return rendezvous.groups_with(ids, wanted) if ray_process.ray_running() else []
+    return membership.groups_with(ids, wanted) if ray_process.ray_running() else []

@@ -26,7 +26,7 @@ from typing import Any
 
 from collective import checks, lifecycle, ray_process
 from collective.groups.base import BaseGroup, constructor
-from collective.store import PrefixedRendezvousStore, RendezvousStore
+from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
 from collective.types import (
     ArgumentTypeError,
     ArgumentValueError,

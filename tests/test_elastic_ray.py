@@ -17,7 +17,7 @@ import pytest
 import ray
 
 import collective as col
-from collective.rendezvous import STORE_ACTOR_NAME
+from collective.rendezvous.actor import STORE_ACTOR_NAME
 from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,

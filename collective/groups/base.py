@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, cast
 
-from collective.store import RendezvousStore
+from collective.rendezvous.store import RendezvousStore
 from collective.tensor import TensorSpec
 from collective.types import (
     DEFAULT_TIMEOUT,

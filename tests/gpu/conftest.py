@@ -32,7 +32,7 @@ def solo() -> Iterator[Any]:
 
     from collective import lifecycle
     from collective.groups.nccl import NCCLGroup
-    from collective.store import TCPRendezvousStore
+    from collective.rendezvous.store import TCPRendezvousStore
 
     cupy.cuda.Device(0).use()
     store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60)))
