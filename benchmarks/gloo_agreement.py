@@ -31,7 +31,7 @@ def _rank(rank: int, port: int, name: str, args: argparse.Namespace, results: An
     import torch.distributed as dist
 
     from collective.groups.gloo import GlooGroup
-    from collective.store import PrefixedRendezvousStore, TCPRendezvousStore
+    from collective.rendezvous.store import PrefixedRendezvousStore, TCPRendezvousStore
     from collective.types import AllReduceOptions, BroadcastOptions
 
     store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))

@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 import collective as col
-from collective import lifecycle, tensor
+from collective import tensor
 from collective.groups.nccl import NCCLGroup
 from collective.groups.nccl import comm as nccl_comm
-from collective.store import TCPRendezvousStore
+from collective.registry import held
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.tensor.kinds import is_torch
 from collective.types import AllReduceOptions, CpuTransport, GroupOptions
 from tests.nccl_binding import DeviceArray, FakeDevice, FakeEvent, Pinned, _Devices
@@ -131,7 +132,7 @@ def nccl_group() -> Iterator[str]:
     store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30)))
     name = f"host-path-{uuid.uuid4().hex[:8]}"
     group = NCCLGroup(1, 0, name, store, timedelta(seconds=30))
-    lifecycle.create_group(name, lambda: (group, store))
+    held.create_group(name, lambda: (group, store))
     try:
         yield name
     finally:
@@ -242,7 +243,7 @@ def cpu_row(transport: CpuTransport, iters: int) -> dict[str, Any]:
     options = GroupOptions(cpu_transport=transport)
     store = TCPRendezvousStore(master)
     group = CpuGroup(2, 0, name, store, timedelta(seconds=60), options=options)
-    lifecycle.create_group(name, lambda: (group, store))
+    held.create_group(name, lambda: (group, store))
     x = np.ones(2, dtype=np.float32)
     try:
         col.allreduce(x, name)

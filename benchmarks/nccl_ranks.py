@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 
 HOST = "127.0.0.1"
 START_TIMEOUT = timedelta(seconds=180)

@@ -12,22 +12,8 @@ from collective.api import (
     send,
 )
 from collective.bulk import allreduce_tensors, broadcast_state_dict, broadcast_tensors
-from collective.elastic import (
-    grow_declared_group,
-    grow_group,
-    shrink_declared_group,
-    shrink_group,
-)
 from collective.exchange import alltoall, alltoall_single, gather, scatter
 from collective.groups.base import BaseGroup
-from collective.lifecycle import (
-    create_collective_group,
-    declare_collective_group,
-    destroy_all_collective_groups,
-    destroy_collective_group,
-    get_group_handle,
-    init_collective_group,
-)
 from collective.multigpu import (
     allgather_multigpu,
     allreduce_multigpu,
@@ -38,7 +24,23 @@ from collective.multigpu import (
     send_multigpu,
     synchronize,
 )
-from collective.queries import (
+from collective.ray_plugins import register_ray_backend, register_tensor_transport
+from collective.registry.backends import register_collective_backend
+from collective.registry.elastic import (
+    grow_declared_group,
+    grow_group,
+    shrink_declared_group,
+    shrink_group,
+)
+from collective.registry.held import get_group_handle
+from collective.registry.lifecycle import (
+    create_collective_group,
+    declare_collective_group,
+    destroy_all_collective_groups,
+    destroy_collective_group,
+    init_collective_group,
+)
+from collective.registry.queries import (
     get_collective_group_size,
     get_collective_groups,
     get_rank,
@@ -48,9 +50,7 @@ from collective.queries import (
     list_collective_groups,
     nccl_available,
 )
-from collective.ray_plugins import register_ray_backend, register_tensor_transport
-from collective.registry import register_collective_backend
-from collective.subgroups import new_group
+from collective.registry.subgroups import new_group
 from collective.types import (
     ArgumentError,
     ArgumentTypeError,

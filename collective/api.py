@@ -20,8 +20,8 @@ from typing import Any
 from collective import checks
 from collective.calls import ALLREDUCE, BROADCAST, RECV, REDUCE, SEND, call
 from collective.checks import checking
-from collective.lifecycle import get_group_handle
 from collective.outputs import check_written, unalias_output
+from collective.registry.held import get_group_handle
 from collective.types import (
     AllGatherOptions,
     BarrierOptions,

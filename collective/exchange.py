@@ -12,8 +12,8 @@ from typing import Any
 from collective import checks
 from collective.checks import checking
 from collective.groups.base import BaseGroup
-from collective.lifecycle import get_group_handle
 from collective.outputs import check_written
+from collective.registry.held import get_group_handle
 from collective.tensor import split_rows
 from collective.types import (
     AllToAllOptions,

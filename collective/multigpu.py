@@ -14,8 +14,8 @@ from typing import Any
 from collective import checks, tensor
 from collective.checks import checking
 from collective.groups.base import BaseGroup
-from collective.lifecycle import get_group_handle
 from collective.outputs import check_written
+from collective.registry.held import get_group_handle
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import collective as col
-from collective.rendezvous import STORE_ACTOR_NAME
+from collective.rendezvous.actor import STORE_ACTOR_NAME
 
 RAY_TIMEOUT_S = 120
 """Bound on every ray.get in the tests, so that a hang fails instead of stalling CI."""

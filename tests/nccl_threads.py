@@ -23,7 +23,7 @@ import torch.distributed as dist
 from collective import tensor
 from collective.groups.nccl import NCCLGroup
 from collective.groups.nccl import comm as nccl_comm
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 from tests.nccl_binding import ContractCupy, no_driver
 
 CONTRACT = [

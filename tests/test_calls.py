@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import collective as col
-from collective import calls, lifecycle
+from collective import calls
 from collective.checked import CheckedGroup
 from collective.groups import launches
 from collective.groups.cpu import CpuGroup
+from collective.registry import held
 from collective.types import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -58,11 +59,11 @@ def registered(
     def run(group: CpuGroup, rank: int) -> Any:
         name = f"calls-{uuid.uuid4().hex[:8]}-{rank}"
         wrapped = CheckedGroup(group) if checked else group
-        lifecycle.create_group(name, lambda: (wrapped, None))
+        held.create_group(name, lambda: (wrapped, None))
         try:
             return fn(name, group, rank)
         finally:
-            lifecycle.forget(name)
+            held.forget(name)
 
     return run
 

@@ -15,8 +15,7 @@ import time
 import pytest
 import ray
 
-from collective.rendezvous import STORE_ACTOR_NAME
-from collective.store_actor import IDLE_GRACE_S, SWEEP_S
+from collective.rendezvous.actor import IDLE_GRACE_S, STORE_ACTOR_NAME, SWEEP_S
 from tests.conftest import unique_name
 
 DRIVER = textwrap.dedent(

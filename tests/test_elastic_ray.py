@@ -17,7 +17,7 @@ import pytest
 import ray
 
 import collective as col
-from collective.rendezvous import STORE_ACTOR_NAME
+from collective.rendezvous.actor import STORE_ACTOR_NAME
 from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,
@@ -407,12 +407,12 @@ def test_a_newcomer_without_a_grow_is_told_to_have_the_members_grow(
 
 def _die_once_joined(world_size: int, rank: int, name: str) -> None:
     """Join ``name`` as a newcomer, and let this process die right after the store took it."""
-    from collective import lifecycle
+    from collective.registry import build
 
     def exit_now(*args: Any, **kwargs: Any) -> None:
         os._exit(1)
 
-    lifecycle.constructor = lambda cls: exit_now  # type: ignore[assignment, return-value]
+    build.constructor = lambda cls: exit_now  # type: ignore[assignment, return-value]
     col.init_collective_group(world_size, rank, "gloo", name, timeout=TIMEOUT)
 
 

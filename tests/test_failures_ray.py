@@ -16,8 +16,9 @@ import numpy as np
 import ray
 
 import collective as col
-from collective.lifecycle import group_entry
-from collective.rendezvous import STORE_ACTOR_NAME, RayRendezvousStore
+from collective.registry.held import group_entry
+from collective.rendezvous.actor import STORE_ACTOR_NAME
+from collective.rendezvous.client import RayRendezvousStore
 from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from collective.groups.gloo import GlooGroup
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import AllReduceOptions, CollectiveTimeoutError
 from tests.test_gloo_group import GROUP_TIMEOUT, _master_store
 
@@ -28,7 +28,7 @@ import sys, time
 from datetime import timedelta
 import torch.distributed as dist
 from collective.groups.gloo import GlooGroup
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 port, name = int(sys.argv[1]), sys.argv[2]
 client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=20))
 group = GlooGroup(2, 1, name, TCPRendezvousStore(client), timedelta(seconds=20))

@@ -26,7 +26,7 @@ from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup
 from collective.groups.cpu import CpuGroup
 from collective.groups.gloo import GlooGroup
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from collective.groups.base import BaseGroup
 from collective.groups.cpu import CpuGroup
 from collective.groups.gloo import GlooGroup
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from collective.groups.base import BaseGroup
 from collective.groups.cpu import CpuGroup
-from collective.store import PrefixedRendezvousStore, TCPRendezvousStore
+from collective.rendezvous.store import PrefixedRendezvousStore, TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

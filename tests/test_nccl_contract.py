@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import collective as col
-from collective import lifecycle
+from collective.registry import held
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -333,7 +333,7 @@ def test_a_rank_driving_two_gpus_holds_nccl_ranks_2r_and_2r_plus_1(
 def test_multigpu_functions_with_two_gpus(ranks: Callable[..., Ranks]) -> None:
     r = ranks(1)
     name, g = r.name, r.groups[0]
-    lifecycle.create_group(name, lambda: (g, None))
+    held.create_group(name, lambda: (g, None))
     try:
         a = [DeviceArray(SHAPE, "float64", device=i) for i in range(2)]
         outs = [[DeviceArray(SHAPE, "float64", device=i) for _ in range(2)] for i in range(2)]

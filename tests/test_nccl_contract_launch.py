@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 import collective as col
-from collective import calls, lifecycle, tensor
+from collective import calls, tensor
 from collective.groups.nccl import launch as nccl_launch
+from collective.registry import held
 from collective.types import (
     AllReduceOptions,
     BroadcastOptions,
@@ -64,7 +65,7 @@ def described(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def _registered(r: Ranks) -> str:
     """Register rank 0's group under its name, so that the public functions reach it."""
     group = r.groups[0]
-    lifecycle.create_group(r.name, lambda: (group, None))
+    held.create_group(r.name, lambda: (group, None))
     on_this_thread(r.cupys[0])
     return r.name
 

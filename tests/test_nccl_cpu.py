@@ -30,8 +30,8 @@ from collective.groups.nccl.comm import (
     exchange_unique_id,
     unique_id_argument,
 )
-from collective.rendezvous import join_store, leave_store
-from collective.store import RendezvousStore, TCPRendezvousStore, meet
+from collective.rendezvous.membership import join_store, leave_store
+from collective.rendezvous.store import RendezvousStore, TCPRendezvousStore, meet
 from collective.tensor import NCCL_DTYPES, TensorSpec
 from collective.types import CollectiveError, CollectiveTimeoutError, ReduceOp
 from tests.conftest import RAY_TIMEOUT_S, run_all, unique_name

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import collective as col
-from collective.store_actor import IDLE_GRACE_S, SWEEP_S
+from collective.rendezvous.actor import IDLE_GRACE_S, SWEEP_S
 from tests.conftest import (
     RAY_TIMEOUT_S,
     Member,

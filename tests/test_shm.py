@@ -25,7 +25,7 @@ from collective.groups.cpu import CpuGroup
 from collective.groups.shm import algorithms
 from collective.groups.shm.algorithms import SPLIT_ALLREDUCE_BYTES
 from collective.groups.shm.arena import SHM_DIR, Layout
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -20,7 +20,7 @@ import pytest
 from collective.groups.cpu import CpuGroup
 from collective.groups.shm import arena
 from collective.groups.shm.arena import SHM_DIR, Layout
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllReduceOptions,
     AllToAllOptions,

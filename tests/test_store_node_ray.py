@@ -17,8 +17,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 import collective as col
-from collective import store_client
-from collective.rendezvous import STORE_ACTOR_NAME
+from collective.rendezvous import client
+from collective.rendezvous.actor import STORE_ACTOR_NAME
 from tests.conftest import RAY_TIMEOUT_S, run_all, unique_name
 from tests.test_cluster_ray import _members, cluster  # noqa: F401  (the module's cluster)
 
@@ -100,4 +100,4 @@ class _OutOfMemory:
 def test_a_store_killed_for_memory_is_the_same_clear_error() -> None:
     """Issue 27 item 8: Ray's OutOfMemoryError (a fault we cannot cause here) does not escape."""
     with pytest.raises(col.CollectiveError, match="rendezvous store of group 'g' is gone"):
-        store_client.call(_OutOfMemory(), "get", group="g")
+        client.call(_OutOfMemory(), "get", group="g")

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from collective.groups.gloo import GlooGroup
-from collective.incarnation import IncarnationStore
-from collective.store import TCPRendezvousStore
+from collective.rendezvous.incarnation import IncarnationStore
+from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError
 from tests.test_gloo_group import GROUP_TIMEOUT, _client_store, _master_store, _run_threads
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.bulk import calls
-from collective.lifecycle import get_group_handle
+from collective.registry.held import get_group_handle
 from collective.types import ReduceOp
 from collective.work import Work
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Protocol, cast
 
 from collective.groups.launches import Launch, Launches
-from collective.store import RendezvousStore
+from collective.rendezvous.store import RendezvousStore
 from collective.tensor import TensorSpec, cpu_key
 from collective.types import (
     DEFAULT_TIMEOUT,

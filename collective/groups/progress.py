@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
-from collective.store import RendezvousStore
+from collective.rendezvous.store import RendezvousStore
 from collective.types import CollectiveError
 
 QUERY = b"\x00progress/"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective.store import RendezvousStore, await_gathered, gather_arrivals
+from collective.rendezvous.store import RendezvousStore, await_gathered, gather_arrivals
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.groups import progress
-from collective.store import RendezvousStore
+from collective.rendezvous.store import RendezvousStore
 from collective.types import CollectiveError
 
 _STOP = b"\x00stop"

@@ -17,7 +17,7 @@ from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
 
 from collective.groups.base import BaseGroup
-from collective.registry import group_class
+from collective.registry.backends import group_class
 from collective.tensor import DTYPES
 from collective.types import Backend, ReduceOp
 

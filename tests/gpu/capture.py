@@ -67,11 +67,11 @@ def capture_public_ops_on_rank(context: RankContext, replays: int) -> list[list[
     import torch
 
     import collective as col
-    from collective import lifecycle
+    from collective.registry import held
 
     group, rank, ws = cases._GROUPS[0], context.rank, context.world_size
     name = group.group_name
-    lifecycle.create_group(name, lambda: (group, context.store))
+    held.create_group(name, lambda: (group, context.store))
     device = torch.device("cuda", cases.gpu_of(rank))
     bufs = {key: torch.zeros(len(v), device=device) for key, v in _inputs(rank, ws, 0).items()}
     gathered = torch.zeros(N * ws, device=device)
@@ -127,11 +127,11 @@ def capture_unseen_bulk_call_on_rank(context: RankContext) -> tuple[str, str]:
     import torch
 
     import collective as col
-    from collective import lifecycle
+    from collective.registry import held
 
     group = cases._GROUPS[0]
     name = group.group_name
-    lifecycle.create_group(name, lambda: (group, context.store))
+    held.create_group(name, lambda: (group, context.store))
     device = torch.device("cuda", cases.gpu_of(context.rank))
     xs = [torch.ones(3, device=device), torch.ones(5, device=device)]
     col.allreduce(xs[0], name)  # warm up the communicator outside capture

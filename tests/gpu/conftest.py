@@ -30,15 +30,15 @@ def solo() -> Iterator[Any]:
     import cupy
     import torch.distributed as dist
 
-    from collective import lifecycle
     from collective.groups.nccl import NCCLGroup
-    from collective.store import TCPRendezvousStore
+    from collective.registry import held
+    from collective.rendezvous.store import TCPRendezvousStore
 
     cupy.cuda.Device(0).use()
     store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60)))
     name = f"gpu-solo-{uuid.uuid4().hex[:8]}"
     group = NCCLGroup(1, 0, name, store, cases.GROUP_TIMEOUT)
-    lifecycle.create_group(name, lambda: (group, store))
+    held.create_group(name, lambda: (group, store))
     yield group
     import collective as col
 

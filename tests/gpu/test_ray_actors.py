@@ -93,7 +93,7 @@ def test_public_api_in_ray_actors(gpu_ray: Any, world_size: int) -> None:
             assert rows[1 + r] == [float(r)] * 8
         assert rows[1 + world_size] == [float(rank * world_size)] * 8
         assert rows[2 + world_size] == ([7.0] * 8 if world_size > 1 and rank == 1 else [0.0] * 8)
-    from collective.store_actor import IDLE_GRACE_S, SWEEP_S
+    from collective.rendezvous.actor import IDLE_GRACE_S, SWEEP_S
 
     # The store actor leaves once it has hosted no group for its idle grace, as after
     # a CPU group's destroy; a new group made within the grace reuses it.

@@ -28,7 +28,7 @@ from collective.groups.shm.solo import Solo
 from collective.groups.shm.steps import MismatchError, Steps
 from collective.groups.shm.sync import AbortedError, PeerDiedError, StalledError, Waiter
 from collective.groups.watch import FailureWatch
-from collective.store import RendezvousStore
+from collective.rendezvous.store import RendezvousStore
 from collective.tensor import DTYPES
 from collective.types import (
     DEFAULT_TIMEOUT,

@@ -31,7 +31,7 @@ from collective.groups.shm import arena as shm_arena
 from collective.groups.shm.arena import PID, Arena, Layout
 from collective.groups.shm.sync import Liveness
 from collective.groups.shm.sync import unsupported_reason as shm_unsupported
-from collective.store import PrefixedRendezvousStore, RendezvousStore
+from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
 from collective.types import CollectiveError, CpuTransport, GroupOptions
 
 logger = logging.getLogger("collective")

@@ -30,7 +30,7 @@ from collective.groups.gloo.work import (
 from collective.groups.lanes import Lane, Task
 from collective.groups.progress import ANSWER_WAIT
 from collective.groups.watch import FailureWatch
-from collective.store import RendezvousStore, meet
+from collective.rendezvous.store import RendezvousStore, meet
 from collective.tensor import DTYPES
 from collective.types import (
     DEFAULT_TIMEOUT,

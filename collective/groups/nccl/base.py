@@ -47,7 +47,7 @@ from collective.groups.nccl.comm import (
 from collective.groups.nccl.cuda import STREAMS, wait_events
 from collective.groups.nccl.launch import Launch, Plan, Signed
 from collective.groups.nccl.watchdog import Watch
-from collective.store import RendezvousStore, meet
+from collective.rendezvous.store import RendezvousStore, meet
 from collective.tensor import NCCL_DTYPES, CudaBuffer
 from collective.types import (
     DEFAULT_TIMEOUT,

@@ -14,7 +14,7 @@ from typing import Any
 
 from collective import tensor
 from collective.groups.nccl.cuda import wait_events
-from collective.store import RendezvousStore
+from collective.rendezvous.store import RendezvousStore
 from collective.tensor import CudaBuffer
 from collective.types import (
     ArgumentValueError,

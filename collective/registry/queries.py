@@ -4,22 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from collective import lifecycle, ray_process, registry, rendezvous
+from collective.registry import backends, held, ray_process
+from collective.rendezvous import membership
 from collective.types import ArgumentTypeError, Backend
 
 
 def is_group_initialized(group_name: str = "default") -> bool:
     """Return whether this process has built the group ``group_name``."""
-    return lifecycle.held_group(group_name) is not None
+    return held.held_group(group_name) is not None
 
 
 def _membership(group_name: str) -> tuple[int, int]:
     """Return ``(rank, world_size)`` of this process in ``group_name``, or ``(-1, -1)``."""
-    group = lifecycle.held_group(group_name)
+    group = held.held_group(group_name)
     if group is not None:
         return group.rank, group.world_size
-    lifecycle.close_ended(group_name)
-    found = lifecycle.declared_rank(group_name)
+    held.close_ended(group_name)
+    found = held.declared_rank(group_name)
     return (found[1], found[0].world_size) if found else (-1, -1)
 
 
@@ -41,7 +42,7 @@ def get_collective_group_size(group_name: str = "default") -> int:
 
 def is_backend_available(backend: Backend | str) -> bool:
     """Return whether groups of ``backend`` can be created in this process."""
-    return registry.is_available(registry.backend_name(backend))
+    return backends.is_available(backends.backend_name(backend))
 
 
 def gloo_available() -> bool:
@@ -61,7 +62,7 @@ def list_collective_groups() -> list[str]:
     until all its members are dead. Subgroups made by ``new_group`` meet inside their
     parent's rendezvous and are not listed.
     """
-    return rendezvous.list_groups() if ray_process.ray_running() else []
+    return membership.list_groups() if ray_process.ray_running() else []
 
 
 def get_collective_groups(
@@ -75,13 +76,13 @@ def get_collective_groups(
         backend: keep only groups of this backend.
 
     """
-    wanted = None if backend is None else registry.backend_name(backend)
+    wanted = None if backend is None else backends.backend_name(backend)
     if actors is None:
-        groups = ((name, lifecycle.held_group(name)) for name in lifecycle.held_names())
+        groups = ((name, held.held_group(name)) for name in held.held_names())
         return [n for n, g in groups if g is not None and wanted in (None, g.backend_name())]
     if not isinstance(actors, (list, tuple)):
         raise ArgumentTypeError(
             f"actors must be a list of actor handles, got {type(actors).__name__}"
         )
     ids = sorted({actor._ray_actor_id.hex() for actor in actors})
-    return rendezvous.groups_with(ids, wanted) if ray_process.ray_running() else []
+    return membership.groups_with(ids, wanted) if ray_process.ray_running() else []

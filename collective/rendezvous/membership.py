@@ -1,6 +1,6 @@
 """Where ranks meet in Ray: joining, leaving, declaring, ending and listing groups.
 
-Every call goes to the namespace's shared store actor through ``store_client``,
+Every call goes to the namespace's shared store actor through ``client``,
 which finds or creates it and listens for the notices it sends.
 """
 
@@ -10,21 +10,17 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from collective.liveness import current_member
-from collective.store_actor import STORE_ACTOR_NAME, Declaration
-from collective.store_client import (
+from collective.rendezvous.client import (
     RPC_GRACE_S,
     RayRendezvousStore,
     call,
     connection,
-    set_end_handler,
 )
+from collective.rendezvous.liveness import current_member
+from collective.rendezvous.state import Declaration
 from collective.types import ArgumentValueError, CollectiveError
 
 __all__ = [
-    "STORE_ACTOR_NAME",
-    "Declaration",
-    "RayRendezvousStore",
     "agree",
     "commit",
     "declaration",
@@ -36,7 +32,6 @@ __all__ = [
     "list_groups",
     "missing_ranks_detail",
     "redeclare",
-    "set_end_handler",
 ]
 
 _RETRY_S = 0.05

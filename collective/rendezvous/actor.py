@@ -1,6 +1,9 @@
 """The shared store actor: every group's rendezvous, in one named detached actor per namespace.
 
-Each group has its own state inside the actor (``collective.store_state``).
+Each group has its own state inside the actor (``collective.rendezvous.state``).
+This module makes, joins, leaves and ends groups, answers queries and sends
+notices; the keys of an incarnation are ``actor_keys``, a shrink or grow is
+``actor_reshape``.
 Every method is a coroutine, so a rank waiting on a key never blocks another;
 the actor's one event loop makes each method's checks and changes atomic
 between awaits.
@@ -18,12 +21,12 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from collective import liveness
-from collective import store_reshape as reshape
 from collective.groups.watch import abort_key
-from collective.liveness import Member
-from collective.store_elastic import ElasticMethods
-from collective.store_state import (
+from collective.rendezvous import liveness, reshape
+from collective.rendezvous.actor_keys import KeyMethods
+from collective.rendezvous.actor_reshape import ReshapeMethods
+from collective.rendezvous.liveness import Member
+from collective.rendezvous.state import (
     Declaration,
     GroupState,
     Incarnation,
@@ -32,7 +35,7 @@ from collective.store_state import (
     wait_first,
 )
 
-__all__ = ["ACK_WAIT_S", "IDLE_GRACE_S", "STORE_ACTOR_NAME", "SWEEP_S", "Declaration", "StoreActor"]
+__all__ = ["ACK_WAIT_S", "IDLE_GRACE_S", "STORE_ACTOR_NAME", "SWEEP_S", "StoreActor"]
 
 STORE_ACTOR_NAME = "collective.rendezvous"
 """The name of the shared store actor in each namespace."""
@@ -53,7 +56,7 @@ _LISTENER_QUIET_S = 300.0
 """A member process that has not listened for this long is forgotten (it is gone)."""
 
 
-class StoreActor(ElasticMethods):
+class StoreActor(ReshapeMethods, KeyMethods):
     """The named detached actor behind every group of one namespace.
 
     Errors are returned as status strings rather than raised, so that callers
@@ -244,77 +247,6 @@ class StoreActor(ElasticMethods):
         while len(self._gone) > _GONE_KEPT:
             self._gone.popitem(last=False)
         world.end(reason)
-
-    # --- keys ------------------------------------------------------------------------------
-
-    def _world(self, name: str, incarnation: str) -> Incarnation | None:
-        """Return ``incarnation`` of ``name``: the current one, or the one being built."""
-        group = self._groups.get(name)
-        if group is None:
-            return None
-        if group.current.id == incarnation:
-            return group.current
-        building = group.building.following if group.building is not None else None
-        return building if building is not None and building.id == incarnation else None
-
-    def _gone_reason(self, name: str, incarnation: str) -> str:
-        return self._gone.get(incarnation, f"group {name!r} no longer exists")
-
-    async def set(self, name: str, incarnation: str, key: str, value: bytes) -> str | None:
-        """Publish ``value`` under ``key``; return None, or why the incarnation is gone."""
-        world = self._world(name, incarnation)
-        if world is None:
-            return self._gone_reason(name, incarnation)
-        world.set(key, value)
-        return None
-
-    async def get(
-        self, name: str, incarnation: str, key: str, timeout_s: float
-    ) -> tuple[str, bytes | str | None]:
-        """Return ``("ok", value)``, ``("timeout", None)`` or ``("gone", reason)``."""
-        world = self._world(name, incarnation)
-        deadline = time.monotonic() + timeout_s
-        while world is not None and key not in world.values and not world.reason:
-            event = world.events.setdefault(key, asyncio.Event())
-            if not await wait_event(event, deadline):
-                return "timeout", None
-        if world is not None and key in world.values:
-            return "ok", world.values[key]
-        return "gone", self._gone_reason(name, incarnation)
-
-    async def agree(
-        self, name: str, incarnation: str, topic: str, rank: int, value: Any, timeout_s: float
-    ) -> tuple[str, Any]:
-        """Record ``rank``'s ``value`` on ``topic``; wait for every rank's, up to ``timeout_s``.
-
-        Returns:
-            ``("ok", None)`` once every rank of the incarnation voted the same value;
-            ``("mismatch", {rank: value})`` once every rank voted and two votes
-            differ, or at the timeout if two of those in differ; ``("timeout", ranks
-            that voted)``; ``("gone", reason)`` when the incarnation is over.
-
-        """
-        world = self._world(name, incarnation)
-        if world is None:
-            return "gone", self._gone_reason(name, incarnation)
-        deadline = time.monotonic() + timeout_s
-        votes = world.vote(topic, rank, value)
-        while len(votes) < (world.world_size or 0) and not world.reason:
-            if not await wait_event(world.voted(topic), deadline):
-                break
-        if len(set(votes.values())) > 1:
-            return "mismatch", dict(votes)
-        if world.reason:
-            return "gone", world.reason
-        if len(votes) < (world.world_size or 0):
-            return "timeout", sorted(votes)
-        return "ok", None
-
-    async def delete(self, name: str, incarnation: str, key: str) -> None:
-        """Remove ``key`` if it is present."""
-        world = self._world(name, incarnation)
-        if world is not None and world.values.pop(key, None) is not None:
-            world.events[key].clear()
 
     # --- queries ---------------------------------------------------------------------------
 

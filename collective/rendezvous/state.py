@@ -14,13 +14,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from collective.liveness import Member
+from collective.rendezvous.liveness import Member
 from collective.types import GroupOptions
-
-if TYPE_CHECKING:
-    from collective.store_reshape import Reshape
 
 
 @dataclass(frozen=True)
@@ -93,6 +90,54 @@ class Incarnation:
             event.set()
 
 
+SHRINK, GROW = "shrink", "grow"
+
+
+@dataclass
+class Reshape:
+    """One shrink or grow in progress: its terms, who has come, and its outcome once decided."""
+
+    kind: str
+    world_size: int
+    """For a grow, the new world size; for a shrink, the size it started from."""
+    exclude: tuple[int, ...] = ()
+    """For a shrink, the live ranks the callers drop, sorted."""
+    arrived: dict[int, Member] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: tuple[str, Any] | None = None
+    """``("ok", (incarnation id, {old rank: new rank}, world size))``, or ``(status, why)``
+    with status ``"mismatch"`` (the callers disagree), ``"timeout"`` or ``"error"``."""
+    deadline: float = 0.0
+    """The latest deadline (monotonic) of the callers so far: building ends by then."""
+    following: Incarnation | None = None
+    """Once decided, the next incarnation, being built."""
+    built: set[int] = field(default_factory=set)
+    """The ranks of ``following`` that built their transports and committed."""
+    committed: tuple[str, str] | None = None
+    """Once the build is over: ``("ok", "")``, or ``(status, why)`` when it was abandoned."""
+
+    def wake(self) -> None:
+        """Wake every caller waiting on this change, to look at it again."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def come(self, rank: int, member: Member, deadline: float) -> None:
+        """Record that ``rank`` came, as ``member``, with a wait that ends at ``deadline``."""
+        self.arrived[rank] = member
+        self.deadline = max(self.deadline, deadline)
+
+    def terms(self) -> str:
+        """Return how the callers asked for this change, for messages."""
+        return describe(self.kind, self.world_size, self.exclude)
+
+
+def describe(kind: str, world_size: int, exclude: tuple[int, ...]) -> str:
+    """Return how a caller asked for a change, for messages."""
+    if kind == SHRINK:
+        return f"shrink_group(exclude={list(exclude)})"
+    return f"grow_group(world_size={world_size})"
+
+
 @dataclass
 class GroupState:
     """One group inside the store actor."""
@@ -103,7 +148,7 @@ class GroupState:
     finished: set[str] = field(default_factory=set)
     """Members (by key) that left the group after joining it, or died."""
     reshape: Reshape | None = None
-    """The shrink or grow in progress, if any (see ``store_reshape``)."""
+    """The shrink or grow in progress, if any (see ``collective.rendezvous.reshape``)."""
     building: Reshape | None = None
     """The decided shrink or grow whose next incarnation its ranks are building, if any."""
     failed: Reshape | None = None

@@ -20,12 +20,13 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, lifecycle, ray_process, rendezvous
+from collective import checks
 from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup, constructor
-from collective.liveness import current_member
-from collective.rendezvous import RayRendezvousStore
-from collective.store_client import RPC_GRACE_S
+from collective.registry import build, held, ray_process
+from collective.rendezvous import membership
+from collective.rendezvous.client import RPC_GRACE_S, RayRendezvousStore
+from collective.rendezvous.liveness import current_member
 from collective.types import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -172,7 +173,7 @@ def grow_declared_group(actors: list[Any], group_name: str = "default") -> list[
     ids = ray_process.actor_ids(actors, "actors")
     if not ids:
         raise ArgumentValueError("actors must name at least one new member, got []")
-    declaration = rendezvous.declaration(checks.check_group_name(group_name))
+    declaration = membership.declaration(checks.check_group_name(group_name))
     members = set(declaration.ranks) if declaration is not None else set()
     already = [i for i, actor in enumerate(ids) if actor in members]
     if already:
@@ -182,7 +183,7 @@ def grow_declared_group(actors: list[Any], group_name: str = "default") -> list[
 
 
 def _ray_group(group_name: str, function: str) -> tuple[BaseGroup, RayRendezvousStore]:
-    group, store = lifecycle.group_entry(group_name)
+    group, store = held.group_entry(group_name)
     if not isinstance(store, RayRendezvousStore):
         raise CollectiveError(
             f"{function} reshapes groups made in Ray actors; group {group_name!r} is a subgroup "
@@ -238,7 +239,7 @@ def _reshape(
     inner = group.inner if isinstance(group, CheckedGroup) else group
     checked = isinstance(group, CheckedGroup)
     try:
-        built = lifecycle.build_incarnation(
+        built = build.build_incarnation(
             constructor(type(inner)),
             size,
             rank,
@@ -254,8 +255,8 @@ def _reshape(
             f"its {group.world_size} ranks"
         ) from exc
     group.retire(f"group {name!r} moved to a new incarnation by {op}")
-    lifecycle.end_subgroups(store.incarnation, f"its parent group {name!r} was reshaped by {op}")
-    lifecycle.replace_group(name, CheckedGroup(built) if checked else built, fresh)
+    held.end_subgroups(store.incarnation, f"its parent group {name!r} was reshaped by {op}")
+    held.replace_group(name, CheckedGroup(built) if checked else built, fresh)
     return rank
 
 
@@ -263,7 +264,7 @@ def _redeclare(group_name: str, drop: list[str], add: list[str]) -> dict[str, in
     checks.check_group_name(group_name)
     if ray_process.in_ray_worker():
         raise CollectiveError("declared groups are reshaped from the driver, not inside an actor")
-    status, detail = rendezvous.redeclare(group_name, drop, add)
+    status, detail = membership.redeclare(group_name, drop, add)
     if status == "ok":
         return dict(detail)
     if status == "absent":

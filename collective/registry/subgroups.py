@@ -24,9 +24,10 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, lifecycle, ray_process
+from collective import checks
 from collective.groups.base import BaseGroup, constructor
-from collective.store import PrefixedRendezvousStore, RendezvousStore
+from collective.registry import held, ray_process
+from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
 from collective.types import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -93,7 +94,7 @@ def new_group(
         CollectiveTimeoutError: not every member arrived in time.
 
     """
-    parent_group, parent_store = lifecycle.group_entry(parent)
+    parent_group, parent_store = held.group_entry(parent)
     call = _next_call(parent_group)
     incarnation = parent_store.incarnation
     meeting = PrefixedRendezvousStore(parent_store, f"subgroup/{incarnation}/{call}/")
@@ -110,7 +111,7 @@ def new_group(
     if me not in ranks:
         return None
     rank = ranks.index(me)
-    if lifecycle.held_group(name) is not None:
+    if held.held_group(name) is not None:
         error = f"group {name!r} is already initialized on parent rank {me}"
         _publish(meeting, me, {"error": error})
         raise CollectiveError(f"new_group cannot make {name!r}: {error}")
@@ -118,7 +119,7 @@ def new_group(
     _agree(meeting, me, ranks, name, group_timeout)
     store = PrefixedRendezvousStore(parent_store, f"subgroup/{incarnation}/{call}/{name}/")
     cls = constructor(type(parent_group))
-    lifecycle.create_group(
+    held.create_group(
         name,
         lambda: (
             cls(

@@ -5,12 +5,12 @@ shared by successive groups of one name without Ray. Every key the ranks write o
 read carries the id, so a rank still holding an older incarnation can neither
 read the new one's addresses nor write into its keys: its reads time out and its
 writes land where nobody looks. (The Ray store actor keeps each incarnation apart
-itself, and refuses an old one's calls; see ``collective.rendezvous``.)
+itself, and refuses an old one's calls; see ``collective.rendezvous.actor``.)
 """
 
 from __future__ import annotations
 
-from collective.store import PrefixedRendezvousStore, RendezvousStore
+from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
 
 
 class IncarnationStore(PrefixedRendezvousStore):

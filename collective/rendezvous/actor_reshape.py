@@ -1,6 +1,6 @@
-"""The store actor's shrink, grow and driver re-declaration of groups (see ``store_reshape``).
+"""The store actor's shrink, grow and driver re-declaration of groups (see ``reshape``).
 
-``ElasticMethods`` is a part of ``StoreActor``; it runs on the actor's event loop
+``ReshapeMethods`` is a part of ``StoreActor``; it runs on the actor's event loop
 and uses the actor's groups, listeners and incarnation bookkeeping.
 """
 
@@ -11,17 +11,24 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from collective import liveness
-from collective import store_reshape as reshape
 from collective.groups.watch import abort_key
-from collective.liveness import Member
-from collective.store_state import GroupState, Incarnation, Listener, wait_event
+from collective.rendezvous import liveness, reshape
+from collective.rendezvous.liveness import Member
+from collective.rendezvous.state import (
+    GROW,
+    SHRINK,
+    GroupState,
+    Incarnation,
+    Listener,
+    Reshape,
+    wait_event,
+)
 
 RESHAPE_POLL_S = 0.1
 """How often a shrink or grow in progress asks the GCS whether the members it waits for live."""
 
 
-class ElasticMethods:
+class ReshapeMethods:
     """Shrink and grow a group from its members, and declare it anew from the driver."""
 
     if TYPE_CHECKING:  # what StoreActor provides
@@ -55,9 +62,7 @@ class ElasticMethods:
             ``("error", why)`` when this rank no longer holds the group.
 
         """
-        return await self._reshape(
-            name, incarnation, reshape.SHRINK, rank, member, 0, exclude, timeout_s
-        )
+        return await self._reshape(name, incarnation, SHRINK, rank, member, 0, exclude, timeout_s)
 
     async def grow(
         self,
@@ -74,9 +79,7 @@ class ElasticMethods:
             As ``shrink``; every member keeps its rank.
 
         """
-        return await self._reshape(
-            name, incarnation, reshape.GROW, rank, member, world_size, [], timeout_s
-        )
+        return await self._reshape(name, incarnation, GROW, rank, member, world_size, [], timeout_s)
 
     async def _reshape(
         self,
@@ -96,7 +99,7 @@ class ElasticMethods:
             group = await self._settled(name)  # the first caller learns who died
         if group is None or group.current.id != incarnation:
             return "error", self._gone_reason(name, incarnation)
-        if kind == reshape.GROW and group.declaration is not None:
+        if kind == GROW and group.declaration is not None:
             return "error", (
                 f"group {name!r} was declared from the driver: grow it there with "
                 "grow_declared_group"
@@ -107,7 +110,7 @@ class ElasticMethods:
         return await self._reshaped(name, group, change, deadline)
 
     async def _reshaped(
-        self, name: str, group: GroupState, change: reshape.Reshape, deadline: float
+        self, name: str, group: GroupState, change: Reshape, deadline: float
     ) -> tuple[str, Any]:
         """Wait until ``change`` is decided (or ``deadline``); return its outcome.
 
@@ -142,7 +145,7 @@ class ElasticMethods:
         group.mark_dead(dead)
         reshape.fail_dead_newcomers(group, name, dead)
 
-    def _late(self, group: GroupState, change: reshape.Reshape) -> str:
+    def _late(self, group: GroupState, change: Reshape) -> str:
         """Describe who did not come in time to ``change``, members and newcomers apart."""
         terms = change.terms()
         size = group.current.world_size or 0
@@ -197,7 +200,7 @@ class ElasticMethods:
                 )
         return change.committed
 
-    def _watch_building(self, name: str, group: GroupState, change: reshape.Reshape) -> None:
+    def _watch_building(self, name: str, group: GroupState, change: Reshape) -> None:
         """Abandon ``change`` when a rank of its next incarnation dies, or by its deadline."""
 
         async def watch() -> None:
@@ -231,7 +234,7 @@ class ElasticMethods:
         task.add_done_callback(self._tasks.discard)
 
     def _abandon(
-        self, name: str, group: GroupState, change: reshape.Reshape, status: str, why: str
+        self, name: str, group: GroupState, change: Reshape, status: str, why: str
     ) -> None:
         """Abandon building ``change`` for ``why``; its next incarnation ends, the old one stays."""
         reason = (
@@ -242,7 +245,7 @@ class ElasticMethods:
         if following is not None:
             self._forget(following, reason)
 
-    def _retire(self, name: str, old: Incarnation, change: reshape.Reshape) -> None:
+    def _retire(self, name: str, old: Incarnation, change: Reshape) -> None:
         """End ``old``, the incarnation a built ``change`` replaced; tell its excluded ranks."""
         reason = f"group {name!r} moved to a new incarnation by {change.terms()}"
         for rank in change.exclude:

@@ -1,6 +1,6 @@
 """How this process talks to the namespace's store actor: its handle, notices and calls.
 
-One named detached ``StoreActor`` (``collective.store_actor``) per namespace hosts
+One named detached ``StoreActor`` (``collective.rendezvous.actor``) per namespace hosts
 every group. This process finds it once and keeps its handle (``connection``); the
 first caller in a namespace creates it. Joining a group starts, once per process, a
 thread that listens for the notices the store sends when a driver ends one of this
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective import liveness
-from collective.store import RendezvousStore
-from collective.store_actor import STORE_ACTOR_NAME, StoreActor
+from collective.rendezvous import liveness
+from collective.rendezvous.actor import STORE_ACTOR_NAME, StoreActor
+from collective.rendezvous.store import RendezvousStore
 from collective.types import CollectiveError
 
 RPC_GRACE_S = 5.0

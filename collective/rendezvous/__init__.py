@@ -1,0 +1,13 @@
+"""Where the ranks of a group meet: the rendezvous store, and in Ray the store actor behind it.
+
+This room owns the ``RendezvousStore`` interface with its TCPStore, prefixed and
+incarnation views (``store``, ``incarnation``); the namespace's named detached store
+actor (``actor``, with its key-value calls in ``actor_keys`` and its shrink and grow
+in ``actor_reshape``), the per-group state it keeps (``state``) and the rules of a
+shrink or grow (``reshape``); the GCS queries that tell it which members died
+(``liveness``); and a process's side of it: the actor's handle and notices
+(``client``) and the requests to join, leave, declare, end and list groups
+(``membership``). It imports ``collective.types``, and ``collective.groups.watch``
+for the key under which the actor reports a failure to a rank; ``store`` imports
+nothing of the package, so the transports in ``groups/`` build on it.
+"""
