@@ -30,7 +30,7 @@ def _rank(rank: int, port: int, name: str, args: argparse.Namespace, results: An
     """Time every (op, size, mode) block of every round; send the times back."""
     import torch.distributed as dist
 
-    from collective.groups.gloo import GlooGroup
+    from collective.groups.gloo.group import GlooGroup
     from collective.rendezvous.store import PrefixedRendezvousStore, TCPRendezvousStore
     from collective.types import AllReduceOptions, BroadcastOptions
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import collective as col
 from collective import tensor
-from collective.groups.nccl import NCCLGroup
+from collective.groups.nccl.group import NCCLGroup
 from collective.groups.nccl import comm as nccl_comm
 from collective.registry import held
 from collective.rendezvous.store import TCPRendezvousStore
@@ -211,7 +211,7 @@ def nccl_rows(iters: int) -> list[dict[str, Any]]:
 
 def _cpu_peer(port: int, name: str, transport: CpuTransport, calls: int) -> None:
     """Rank 1 of ``cpu_row``, in a process of its own: ``calls`` 8-byte allreduces."""
-    from collective.groups.cpu import CpuGroup
+    from collective.groups.cpu.group import CpuGroup
 
     store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60)))
     options = GroupOptions(cpu_transport=transport)
@@ -231,7 +231,7 @@ def cpu_row(transport: CpuTransport, iters: int) -> dict[str, Any]:
     """
     import multiprocessing
 
-    from collective.groups.cpu import CpuGroup
+    from collective.groups.cpu.group import CpuGroup
 
     master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60))
     name = f"host-path-{transport.value}-{uuid.uuid4().hex[:8]}"

@@ -111,7 +111,7 @@ def rank_state() -> _Rank:
 
 def setup(context: RankContext, group_name: str) -> dict[str, str]:
     """Select GPU ``rank``, connect every implementation; return the unavailable ones and why."""
-    from collective.groups.nccl import NCCLGroup
+    from collective.groups.nccl.group import NCCLGroup
 
     cupy = cupy_module()
     rank, n = context.rank, context.world_size

@@ -27,7 +27,7 @@ import ray
 import torch
 
 import collective as col
-from collective.ray_plugins import runtime_env
+from collective.ray_plugins.hook import runtime_env
 
 IMPLS = ("collective", "gloo", "object_store")
 WORKLOADS = {"256 MiB x 1": (1, 256 << 20), "32 KiB x 2000": (2000, 32 << 10)}

@@ -11,7 +11,7 @@ from collective.api import (
     reducescatter,
     send,
 )
-from collective.bulk import allreduce_tensors, broadcast_state_dict, broadcast_tensors
+from collective.bulk.api import allreduce_tensors, broadcast_state_dict, broadcast_tensors
 from collective.exchange import alltoall, alltoall_single, gather, scatter
 from collective.groups.base import BaseGroup
 from collective.multigpu import (
@@ -24,7 +24,7 @@ from collective.multigpu import (
     send_multigpu,
     synchronize,
 )
-from collective.ray_plugins import register_ray_backend, register_tensor_transport
+from collective.ray_plugins.register import register_ray_backend, register_tensor_transport
 from collective.registry.backends import register_collective_backend
 from collective.registry.elastic import (
     grow_declared_group,

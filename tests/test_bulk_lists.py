@@ -16,7 +16,7 @@ import torch
 
 from collective.bulk import calls
 from collective.groups.base import BaseGroup
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.tensor import Staging
 from collective.tensor.bytelist import ByteList, address, byte_runs
 from tests.test_gloo_group import run_ranks

@@ -21,7 +21,7 @@ import collective as col
 from collective import calls
 from collective.checked import CheckedGroup
 from collective.groups import launches
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.registry import held
 from collective.types import (
     ArgumentTypeError,

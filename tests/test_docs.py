@@ -20,8 +20,8 @@ import collective
 import collective.types
 from collective import tensor
 from collective.groups.base import BaseGroup
-from collective.groups.gloo import GlooGroup
-from collective.groups.nccl import NCCLGroup
+from collective.groups.gloo.group import GlooGroup
+from collective.groups.nccl.group import NCCLGroup
 from collective.types import ReduceOp
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.types import (
     AllReduceOptions,
     CollectiveError,

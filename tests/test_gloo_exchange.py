@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from collective.groups.base import BaseGroup
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.types import (
     AllReduceOptions,
     AllToAllOptions,

@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import AllReduceOptions, CollectiveTimeoutError
 from tests.test_gloo_group import GROUP_TIMEOUT, _master_store
@@ -27,7 +27,7 @@ _PEER = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.rendezvous.store import TCPRendezvousStore
 port, name = int(sys.argv[1]), sys.argv[2]
 client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=20))

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from collective.checked import CheckedGroup
 from collective.groups.base import BaseGroup
-from collective.groups.cpu import CpuGroup
-from collective.groups.gloo import GlooGroup
+from collective.groups.cpu.group import CpuGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.groups.gloo.reducescatter import HUGE_PAGE_BYTES, Scratch, flat_bytes
 from collective.types import ReduceOp, ReduceScatterOptions
 from tests.test_gloo_group import run_ranks

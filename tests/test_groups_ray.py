@@ -12,7 +12,7 @@ import ray
 import torch
 
 import collective as col
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.types import AllReduceOptions
 from collective.work import Work
 from tests.conftest import RAY_TIMEOUT_S, live_groups, run_all, unique_name

@@ -15,8 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "collective"
 MAX_LINES = 400
-PUBLIC_SURFACE = f"{PACKAGE}/__init__.py"
-"""The package's public re-export surface: the one file that may only re-export."""
+PUBLIC_SURFACES = {
+    f"{PACKAGE}/__init__.py": "import collective as col",
+    f"{PACKAGE}/ray_plugins/__init__.py": "docs/inside-ray.md: from collective.ray_plugins import",
+    f"{PACKAGE}/groups/gloo/__init__.py": "docs/backends.rst: from collective.groups.gloo import",
+    f"{PACKAGE}/groups/nccl/__init__.py": "docs/nccl.md: collective.groups.nccl.NCCLGroup",
+}
+"""The import paths the docs give users, the only files that may only re-export (with where
+the docs give each). Nothing inside the package imports through them (see
+``through_surfaces``)."""
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -144,8 +151,30 @@ def only_reexports(root: Path, package: str = PACKAGE) -> list[str]:
         body = ast.parse(path.read_text(), str(path)).body
         has_import = any(isinstance(s, (ast.Import, ast.ImportFrom)) for s in body)
         relative = path.relative_to(root).as_posix()
-        if has_import and all(map(_is_reexport, body)) and relative != PUBLIC_SURFACE:
+        if has_import and all(map(_is_reexport, body)) and relative not in PUBLIC_SURFACES:
             found.append(relative)
+    return sorted(found)
+
+
+def through_surfaces(root: Path, package: str = PACKAGE) -> list[str]:
+    """Return ``module: from surface import name`` for every import of a re-exported name
+    through a public surface by a module of ``package`` other than that surface itself."""
+    found_modules = modules(root, package)
+    surfaces = {
+        name
+        for name, path in found_modules.items()
+        if path.relative_to(root).as_posix() in PUBLIC_SURFACES
+    }
+    found = []
+    for name, path in found_modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.module not in surfaces:
+                continue
+            if name == node.module:
+                continue
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" not in found_modules:
+                    found.append(f"{name}: from {node.module} import {alias.name}")
     return sorted(found)
 
 
@@ -162,8 +191,16 @@ def test_no_module_over_400_lines() -> None:
 def test_no_file_only_reexports_another() -> None:
     found = only_reexports(ROOT)
     assert not found, (
-        f"rule: no file only re-exports another (only {PUBLIC_SURFACE} may); "
+        f"rule: no file only re-exports another (only {sorted(PUBLIC_SURFACES)} may); "
         "these hold only imports, __all__ and a docstring:\n" + "\n".join(found)
+    )
+
+
+def test_the_package_never_imports_through_its_public_surfaces() -> None:
+    found = through_surfaces(ROOT)
+    assert not found, (
+        "rule: inside the package, import a name from the module that defines it, not "
+        "through a public surface:\n" + "\n".join(found)
     )
 
 
@@ -224,3 +261,16 @@ def test_a_long_module_and_a_reexport_only_file_are_named(tmp_path: Path) -> Non
     )
     assert too_long(root) == [f"collective/a.py ({MAX_LINES + 1} lines)"]
     assert only_reexports(root) == ["collective/b.py"]
+
+
+def test_an_import_through_a_public_surface_is_named(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from collective.a import x\n",
+            "a.py": "x = 1\n",
+            "b.py": "from collective import a\n",
+            "c.py": "from collective import x\n",
+        },
+    )
+    assert through_surfaces(root) == ["collective.c: from collective import x"]

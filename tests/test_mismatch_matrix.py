@@ -30,7 +30,7 @@ import pytest
 import torch.distributed as dist
 
 from collective.groups.base import BaseGroup
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.rendezvous.store import PrefixedRendezvousStore, TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,

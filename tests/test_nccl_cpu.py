@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import collective as col
 from collective import tensor
-from collective.groups.nccl import NCCLGroup
+from collective.groups.nccl.group import NCCLGroup
 from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     UNIQUE_ID_BYTES,
@@ -145,7 +145,7 @@ def test_nccl_group_rejects_a_cpu_tensor_with_type_error() -> None:
 
 
 def test_gloo_group_rejects_a_gpu_tensor_with_type_error() -> None:
-    from collective.groups.gloo import GlooGroup
+    from collective.groups.gloo.group import GlooGroup
 
     group = _bare_group(GlooGroup)
     spec = TensorSpec("cupy", (4,), "float32", "cuda:0")

@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 from ray.experimental.collective import create_collective_group, destroy_collective_group
 
 import collective as col
-from collective.ray_plugins import runtime_env
+from collective.ray_plugins.hook import runtime_env
 from tests.conftest import RAY_TIMEOUT_S, Member, live_groups, run_all, unique_name
 from tests.ray_api_ops import WORLD, check_every_op, every_op
 

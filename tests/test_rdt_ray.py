@@ -23,7 +23,8 @@ from ray.experimental.collective import (
 )
 
 import collective as col
-from collective.ray_plugins import runtime_env, wire
+from collective.ray_plugins import wire
+from collective.ray_plugins.hook import runtime_env
 from tests.conftest import RAY_TIMEOUT_S, live_groups
 
 TRANSPORT = "COLLECTIVE"

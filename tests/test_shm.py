@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.groups.shm import algorithms
 from collective.groups.shm.algorithms import SPLIT_ALLREDUCE_BYTES
 from collective.groups.shm.arena import SHM_DIR, Layout

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.groups.shm import arena
 from collective.groups.shm.arena import SHM_DIR, Layout
 from collective.rendezvous.store import TCPRendezvousStore

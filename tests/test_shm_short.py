@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.groups.shm.short import MAX_PLANS, SHORT_BYTES
 from collective.types import (
     AllReduceOptions,

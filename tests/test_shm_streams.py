@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -18,7 +18,7 @@ import torch
 
 import collective
 from collective import signature
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.groups.gloo.agree import WIDTH, Records, disagreement
 from collective.groups.nccl import mismatch
 from collective.groups.shm import steps

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.rendezvous.incarnation import IncarnationStore
 from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError

@@ -26,6 +26,22 @@ QUERY = b"\x00progress/"
 ANSWER_WAIT = timedelta(seconds=2)
 """How long a timed-out rank waits for all its peers' answers together."""
 
+ANSWER_SHARE = 0.1
+"""The share of a timeout that a timed-out op waits on top for the peers' progress answers."""
+
+LEAST_ANSWER_WAIT = timedelta(milliseconds=50)
+"""The shortest wait for the answers: what a live peer needs to give one."""
+
+
+def answer_wait(timeout: timedelta) -> timedelta:
+    """Return how long an op that timed out after ``timeout`` waits for its peers' answers.
+
+    A share of the timeout, between ``LEAST_ANSWER_WAIT`` and ``ANSWER_WAIT``:
+    a short ``wait(timeout)`` raises soon after its timeout even while a peer is frozen
+    and never answers.
+    """
+    return min(ANSWER_WAIT, max(LEAST_ANSWER_WAIT, timeout * ANSWER_SHARE))
+
 
 def is_query(value: bytes) -> bool:
     """Return whether ``value``, read from an abort key, is a progress query."""

@@ -21,10 +21,10 @@ from ray.util.collective.collective_group.base_collective_group import (
     BaseGroup as RayBaseGroup,
 )
 
-import collective as col
-from collective import tensor
+from collective import api, multigpu, tensor
 from collective.ray_plugins.names import DEFAULT_NAME
-from collective.types import ArgumentTypeError, CollectiveError
+from collective.registry import lifecycle, queries
+from collective.types import ArgumentTypeError, CollectiveError, ReduceOp
 
 
 def cpu_group_name(group_name: str) -> str:
@@ -45,14 +45,14 @@ def _timeout(options: Any) -> timedelta | None:
     return None
 
 
-def _op(options: Any) -> col.ReduceOp:
+def _op(options: Any) -> ReduceOp:
     """Return our reduction for Ray's ``options.reduceOp`` (a ``ray.util.collective`` ReduceOp)."""
-    return col.ReduceOp[options.reduceOp.name]
+    return ReduceOp[options.reduceOp.name]
 
 
 def _has_gpu() -> bool:
     """Return whether this process can run an NCCL group: cupy's NCCL and a visible GPU."""
-    if not col.nccl_available():
+    if not queries.nccl_available():
         return False
     try:
         import torch
@@ -82,16 +82,16 @@ class RayGroup(RayBaseGroup):
         timeout = timedelta(milliseconds=gloo_timeout or 30000)
         self._cpu = cpu_group_name(group_name)
         self._gpu: str | None = None
-        col.init_collective_group(world_size, rank, "gloo", self._cpu, timeout=timeout)
+        lifecycle.init_collective_group(world_size, rank, "gloo", self._cpu, timeout=timeout)
         try:
             everyone = np.array([1 if _has_gpu() else 0], dtype=np.int32)
-            col.allreduce(everyone, self._cpu, col.ReduceOp.MIN)
+            api.allreduce(everyone, self._cpu, ReduceOp.MIN)
             if everyone[0]:
                 gpu = gpu_group_name(group_name)
-                col.init_collective_group(world_size, rank, "nccl", gpu, timeout=timeout)
+                lifecycle.init_collective_group(world_size, rank, "nccl", gpu, timeout=timeout)
                 self._gpu = gpu
         except BaseException:
-            col.destroy_collective_group(self._cpu)
+            lifecycle.destroy_collective_group(self._cpu)
             raise
 
     @property
@@ -123,8 +123,8 @@ class RayGroup(RayBaseGroup):
     def destroy_group(self) -> None:
         """Leave both groups; pending ops on them end with a ``CollectiveError``."""
         if self._gpu is not None:
-            col.destroy_collective_group(self._gpu)
-        col.destroy_collective_group(self._cpu)
+            lifecycle.destroy_collective_group(self._gpu)
+        lifecycle.destroy_collective_group(self._cpu)
 
     @classmethod
     def backend(cls) -> str:
@@ -134,29 +134,29 @@ class RayGroup(RayBaseGroup):
     @classmethod
     def check_backend_availability(cls) -> bool:
         """Return whether the CPU transports can run here."""
-        return col.gloo_available()
+        return queries.gloo_available()
 
     def allreduce(self, tensors: list[Any], allreduce_options: Any = None) -> None:
         """Reduce in place on every rank (``allreduce`` and ``allreduce_multigpu``)."""
         options = allreduce_options
         name, op, timeout = self.group_for(tensors[0]), _op(options), _timeout(options)
         if len(tensors) == 1:
-            col.allreduce(tensors[0], name, op, timeout=timeout)
+            api.allreduce(tensors[0], name, op, timeout=timeout)
         else:
-            col.allreduce_multigpu(tensors, name, op, timeout=timeout)
+            multigpu.allreduce_multigpu(tensors, name, op, timeout=timeout)
 
     def barrier(self, barrier_options: Any = None) -> None:
         """Block until every rank has entered the barrier."""
-        col.barrier(self._cpu, timeout=_timeout(barrier_options))
+        api.barrier(self._cpu, timeout=_timeout(barrier_options))
 
     def reduce(self, tensors: list[Any], reduce_options: Any = None) -> None:
         """Reduce onto ``root_rank``; only the root's buffer is written."""
         options = reduce_options
         name, op, timeout = self.group_for(tensors[0]), _op(options), _timeout(options)
         if len(tensors) == 1:
-            col.reduce(tensors[0], options.root_rank, name, op, timeout=timeout)
+            api.reduce(tensors[0], options.root_rank, name, op, timeout=timeout)
         else:
-            col.reduce_multigpu(
+            multigpu.reduce_multigpu(
                 tensors, options.root_rank, options.root_tensor, name, op, timeout=timeout
             )
 
@@ -165,9 +165,9 @@ class RayGroup(RayBaseGroup):
         options = broadcast_options
         name, timeout = self.group_for(tensors[0]), _timeout(options)
         if len(tensors) == 1:
-            col.broadcast(tensors[0], options.root_rank, name, timeout=timeout)
+            api.broadcast(tensors[0], options.root_rank, name, timeout=timeout)
         else:
-            col.broadcast_multigpu(
+            multigpu.broadcast_multigpu(
                 tensors, options.root_rank, options.root_tensor, name, timeout=timeout
             )
 
@@ -177,9 +177,9 @@ class RayGroup(RayBaseGroup):
         """Gather every rank's tensor into each rank's list, in place."""
         name, timeout = self.group_for(tensors[0]), _timeout(allgather_options)
         if len(tensors) == 1:
-            col.allgather(tensor_lists[0], tensors[0], name, timeout=timeout)
+            api.allgather(tensor_lists[0], tensors[0], name, timeout=timeout)
         else:
-            col.allgather_multigpu(tensor_lists, tensors, name, timeout=timeout)
+            multigpu.allgather_multigpu(tensor_lists, tensors, name, timeout=timeout)
 
     def reducescatter(
         self, tensors: list[Any], tensor_lists: list[list[Any]], reducescatter_options: Any = None
@@ -188,18 +188,18 @@ class RayGroup(RayBaseGroup):
         options = reducescatter_options
         name, op, timeout = self.group_for(tensors[0]), _op(options), _timeout(options)
         if len(tensors) == 1:
-            col.reducescatter(tensors[0], tensor_lists[0], name, op, timeout=timeout)
+            api.reducescatter(tensors[0], tensor_lists[0], name, op, timeout=timeout)
         else:
-            col.reducescatter_multigpu(tensors, tensor_lists, name, op, timeout=timeout)
+            multigpu.reducescatter_multigpu(tensors, tensor_lists, name, op, timeout=timeout)
 
     def send(self, tensors: list[Any], send_options: Any) -> None:
         """Send the tensor to ``dst_rank`` (with ``send_multigpu``'s GPU index and length)."""
         options, x = send_options, tensors[0]
         name, timeout = self.group_for(x), _timeout(options)
         if name == self._cpu:
-            col.send(x, options.dst_rank, name, timeout=timeout)
+            api.send(x, options.dst_rank, name, timeout=timeout)
         else:
-            col.send_multigpu(
+            multigpu.send_multigpu(
                 x, options.dst_rank, options.dst_gpu_index, name, options.n_elements,
                 timeout=timeout,
             )  # fmt: skip
@@ -209,9 +209,9 @@ class RayGroup(RayBaseGroup):
         options, x = recv_options, tensors[0]
         name, timeout = self.group_for(x), _timeout(options)
         if name == self._cpu:
-            col.recv(x, options.src_rank, name, timeout=timeout)
+            api.recv(x, options.src_rank, name, timeout=timeout)
         else:
-            col.recv_multigpu(
+            multigpu.recv_multigpu(
                 x, options.src_rank, options.src_gpu_index, name, options.n_elements,
                 timeout=timeout,
             )  # fmt: skip

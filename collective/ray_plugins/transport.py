@@ -24,10 +24,10 @@ from ray.experimental.rdt.collective_tensor_transport import (
     CollectiveTransportMetadata,
 )
 
-import collective as col
 from collective.ray_plugins import wire
 from collective.ray_plugins.backend import RayGroup, is_ours, ray_group
 from collective.ray_plugins.names import DEFAULT_NAME
+from collective.registry import held, queries
 from collective.types import CollectiveError
 
 
@@ -163,8 +163,8 @@ def _data_group(group: RayGroup, device: str | None) -> str:
 
 def _abort(group: RayGroup, reason: str) -> None:
     for name in (group.gpu_group, group.cpu_group):
-        if name is not None and col.is_group_initialized(name):
-            col.get_group_handle(name).abort(reason)
+        if name is not None and queries.is_group_initialized(name):
+            held.get_group_handle(name).abort(reason)
 
 
 @contextmanager

@@ -12,9 +12,9 @@ import threading
 from typing import Any
 
 from collective.groups.base import BaseGroup, GroupConstructor
-from collective.groups.cpu import CpuGroup
-from collective.groups.gloo import GlooGroup
-from collective.groups.nccl import NCCLGroup
+from collective.groups.cpu.group import CpuGroup
+from collective.groups.gloo.group import GlooGroup
+from collective.groups.nccl.group import NCCLGroup
 from collective.types import ArgumentTypeError, ArgumentValueError, Backend, CollectiveError
 
 _KV_NAMESPACE = "collective.backends"

@@ -289,7 +289,7 @@ def open_group(context: RankContext, name: str, timeout_s: float | None = None) 
     """
     import cupy
 
-    from collective.groups.nccl import NCCLGroup
+    from collective.groups.nccl.group import NCCLGroup
 
     if gpu_count() < context.world_size:
         claim_own_host(context.rank)

@@ -30,7 +30,7 @@ def solo() -> Iterator[Any]:
     import cupy
     import torch.distributed as dist
 
-    from collective.groups.nccl import NCCLGroup
+    from collective.groups.nccl.group import NCCLGroup
     from collective.registry import held
     from collective.rendezvous.store import TCPRendezvousStore
 

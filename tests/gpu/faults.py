@@ -21,7 +21,7 @@ def _group(context: RankContext, name: str) -> Any:
     import cupy
     import torch
 
-    from collective.groups.nccl import NCCLGroup
+    from collective.groups.nccl.group import NCCLGroup
 
     cupy.cuda.Device(0).use()
     torch.cuda.set_device(0)

@@ -4,7 +4,3 @@
 ops; ``group`` holds the ops; ``plans`` composes shared memory and Gloo across nodes.
 This is the one package that knows both CPU transports.
 """
-
-from collective.groups.cpu.group import CpuGroup
-
-__all__ = ["CpuGroup"]

@@ -18,7 +18,7 @@ from collective.groups import progress
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.connect import Member, Transports, connect
 from collective.groups.cpu.plans import Flat, Hierarchy
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.groups.lanes import Lane, Task
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.arena import OP_SEQ

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from collective.groups import topology
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.groups.shm import arena as shm_arena
 from collective.groups.shm.arena import PID, Arena, Layout
 from collective.groups.shm.sync import Liveness

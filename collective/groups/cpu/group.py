@@ -17,7 +17,7 @@ import numpy as np
 
 from collective.groups.cpu.base import CpuGroupBase
 from collective.groups.cpu.plans import Flat, Hierarchy
-from collective.groups.gloo import GlooGroup
+from collective.groups.gloo.group import GlooGroup
 from collective.groups.gloo.work import buffer_list, commit_all, one_buffer
 from collective.groups.launches import Launch
 from collective.groups.shm.mail import Mail

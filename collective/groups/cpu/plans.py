@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from collective.groups.gloo import GlooGroup
 from collective.groups.gloo.agree import Call, on_buffer
+from collective.groups.gloo.group import GlooGroup
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.solo import Solo

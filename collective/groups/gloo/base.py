@@ -28,7 +28,7 @@ from collective.groups.gloo.work import (
     one_buffer,
 )
 from collective.groups.lanes import Lane, Task
-from collective.groups.progress import ANSWER_WAIT
+from collective.groups.progress import answer_wait
 from collective.groups.watch import FailureWatch
 from collective.rendezvous.store import RendezvousStore, meet
 from collective.tensor import DTYPES
@@ -41,22 +41,6 @@ from collective.types import (
     GroupOptions,
 )
 from collective.work import CompletedWork, Work
-
-_ANSWER_SHARE = 0.1
-"""The share of a timeout that a timed-out op waits on top for the peers' progress answers."""
-
-_LEAST_ANSWER_WAIT = timedelta(milliseconds=50)
-"""The shortest wait for the answers: what a live peer needs to give one."""
-
-
-def _answer_wait(timeout: timedelta) -> timedelta:
-    """Return how long an op that timed out after ``timeout`` waits for its peers' answers.
-
-    A share of the timeout, between ``_LEAST_ANSWER_WAIT`` and ``progress.ANSWER_WAIT``:
-    a short ``wait(timeout)`` raises soon after its timeout even while a peer is frozen
-    and never answers.
-    """
-    return min(ANSWER_WAIT, max(_LEAST_ANSWER_WAIT, timeout * _ANSWER_SHARE))
 
 
 class GlooGroupBase(BaseGroup):
@@ -189,7 +173,7 @@ class GlooGroupBase(BaseGroup):
         if is_timeout(exc):
             detail = str(exc)
             if number and self._watch is not None:
-                detail = f"{detail}; {self._watch.progress(number, _answer_wait(timeout))}"
+                detail = f"{detail}; {self._watch.progress(number, answer_wait(timeout))}"
             return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
         return CollectiveError(
             f"{op} on group {self.group_name!r} failed on rank {self.rank}: {exc}"
