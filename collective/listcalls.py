@@ -1,6 +1,7 @@
 """The call path of the ops on lists of buffers: make the key, look it up, launch.
 
-It is ``calls``' path for allgather, reducescatter and barrier: the first call of
+It is ``calls``' path for allgather, reducescatter and barrier, and for the ops of
+``exchange`` (gather, scatter, alltoall, alltoall_single): the first call of
 a key runs every local check once, inside ``checking`` (so a ``check_args``
 group raises one rank's argument error on every rank), and builds a launch that
 the group keeps (``groups.launches``); a later call of the same key is a dict
@@ -70,6 +71,24 @@ def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     return ("buffer", k, address(x))
 
 
+def extra_key(value: Any) -> Hashable:
+    """Return the key of a root, a reduction or a list of sizes; raise when it has none.
+
+    Raises:
+        KeyError: ``value`` is none of those, of the exact types a key holds.
+
+    """
+    if value.__class__ is int:
+        return value
+    if value.__class__ is ReduceOp:
+        return ("op", value._value_)
+    if value.__class__ is list or value.__class__ is tuple:
+        if all(v.__class__ is int for v in value):
+            return ("sizes", *value)
+        raise KeyError(value)
+    return ("op", REDUCE_OP_VALUES[value])
+
+
 def call_key(
     group: BaseGroup,
     op: str,
@@ -80,20 +99,15 @@ def call_key(
 ) -> Hashable | None:
     """Return the key of a call of ``op`` on ``args``, or None when it must be checked every time.
 
-    ``extra`` holds the call's other arguments (a root, a reduction); each must be
-    an int, or a reduction, for the call to have a key.
+    ``extra`` holds the call's other arguments (a root, a reduction, split sizes);
+    each must have an ``extra_key`` for the call to have a key.
     """
     if async_op.__class__ is not bool or not (timeout is None or timeout.__class__ is timedelta):
         return None
     parts: list[Hashable] = [op, timeout, async_op]
     try:
         for value in extra:
-            if value.__class__ is int:
-                parts.append(value)
-            elif value.__class__ is ReduceOp:
-                parts.append(("op", value._value_))
-            else:
-                parts.append(("op", REDUCE_OP_VALUES[value]))
+            parts.append(extra_key(value))
         for x in args:
             k = arg_key(group, x)
             if k is None:
@@ -137,8 +151,11 @@ def call(
 def views(xs: Any, count: int, shape: tuple[int, ...]) -> Callable[[Any], list[Any]]:
     """Return how a checked list argument like ``xs`` becomes its list of buffers on a call.
 
-    A list stays as it is; a flat buffer becomes its ``count`` chunks of ``shape``.
+    A list stays as it is; a flat buffer becomes its ``count`` chunks of ``shape``;
+    None (the list of a rank that is not the root) becomes an empty list.
     """
+    if xs is None:
+        return lambda xs: []
     if tensor.is_buffer(xs):
         return lambda xs: tensor.chunks(xs, count, shape)
     return list

@@ -363,3 +363,70 @@ def test_a_flat_buffer_of_another_dtype_is_checked_and_refused_anew() -> None:
 
     for message in run_cpu(2, registered(fn)):
         assert "int64" in message or "must be a list" in message
+
+
+@pytest.mark.parametrize("options", [None, _GLOO], ids=["shm", "gloo"])
+def test_repeated_gathers_scatters_and_alltoalls_are_checked_once(
+    options: GroupOptions | None, checked_ops: dict[int, int]
+) -> None:
+    def fn(name: str, group: CpuGroup, rank: int) -> tuple[list[Any], list[int]]:
+        x, got = np.zeros(2), np.zeros(2)
+        gathered = np.zeros(4) if rank == 0 else None
+        parts = [np.zeros(2), np.zeros(2)] if rank == 1 else None
+        outs, ins = [np.zeros(1), np.zeros(2)], [np.zeros(rank + 1), np.zeros(rank + 1)]
+        single_out, single_in = torch.zeros(3 - rank), torch.zeros(2 + rank)
+        seen, counts = [], []
+        for i in range(3):
+            x[:] = rank + 10 * i
+            col.gather(x, gathered, 0, name)
+            if parts is not None:
+                parts[0][:], parts[1][:] = i, i + 1
+            col.scatter(got, parts, 1, name)
+            ins[0][:], ins[1][:] = 10 * rank + i, 10 * rank + i + 1
+            col.alltoall(outs, ins, name)
+            single_in[:] = torch.arange(2.0 + rank) + 10 * rank + i
+            sizes = [1, 2] if rank == 0 else [1, 1]
+            col.alltoall_single(single_out, single_in, sizes, [1 + rank, 1], name)
+            seen.append(
+                [
+                    None if gathered is None else gathered.tolist(),
+                    got.tolist(),
+                    [o.tolist() for o in outs],
+                    single_out.tolist(),
+                ]
+            )
+            counts.append(checked_ops[threading.get_ident()])
+        return seen, counts
+
+    for rank, (seen, counts) in enumerate(run_cpu(2, registered(fn), options=options)):
+        assert counts == [4, 4, 4], "each of the four calls is checked on its first call only"
+        for i, (gathered, got, outs, single) in enumerate(seen):
+            assert gathered == (None if rank else [10.0 * i] * 2 + [1 + 10.0 * i] * 2)
+            assert got == [float(i + rank)] * 2
+            assert outs == [[float(i + rank)], [10.0 + i + rank] * 2]
+            if rank == 0:
+                assert single == [float(i), 10.0 + i, 11.0 + i]
+            else:
+                assert single == [1.0 + i, 12.0 + i]
+
+
+def test_exchange_buffers_that_now_overlap_are_refused_on_a_repeated_call() -> None:
+    def fn(name: str, group: CpuGroup, rank: int) -> list[str]:
+        x, memory = np.zeros(2), np.zeros(4)
+        gathered = [np.zeros(2), np.zeros(2)] if rank == 0 else None
+        col.gather(x, gathered, 0, name)
+        outs, ins = [np.zeros(2), np.zeros(2)], [np.ones(2), np.ones(2)]
+        col.alltoall(outs, ins, name)
+        errors = []
+        if rank == 0:  # the root's list overlaps its tensor; no other rank runs this gather
+            with pytest.raises(ArgumentValueError) as raised:
+                col.gather(memory[:2], [memory[:2], memory[2:]], 0, name)
+            errors.append(str(raised.value))
+        with pytest.raises(ArgumentValueError) as raised:
+            col.alltoall([memory[:2], memory[2:]], [memory[2:], np.ones(2)], name)
+        errors.append(str(raised.value))
+        return errors
+
+    errors = run_cpu(2, registered(fn))
+    assert "share memory" in errors[0][0]
+    assert all("share memory" in e[-1] for e in errors)
