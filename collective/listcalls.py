@@ -1,7 +1,7 @@
 """The call path of the ops on lists of buffers: make the key, look it up, launch.
 
 It is ``calls``' path for allgather, reducescatter and barrier, and for the ops of
-``exchange`` (gather, scatter, alltoall, alltoall_single): the first call of
+``exchange`` (gather, scatter, alltoall, alltoall_single) and ``multigpu``: the first call of
 a key runs every local check once, inside ``checking`` (so a ``check_args``
 group raises one rank's argument error on every rank), and builds a launch that
 the group keeps (``groups.launches``); a later call of the same key is a dict
@@ -51,7 +51,7 @@ def address(x: Any) -> int:
 
 
 def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
-    """Return the key of one argument: a buffer, a list (or tuple) of buffers, or None.
+    """Return the key of one argument: a buffer, a list (or tuple) of arguments, or None.
 
     A buffer's part is its ``key_of`` and its address; None when it has no key.
     """
@@ -60,10 +60,10 @@ def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     if x.__class__ is list or x.__class__ is tuple:
         parts = []
         for b in x:
-            k = group.key_of(b)
+            k = arg_key(group, b)
             if k is None:
                 return None
-            parts.append((k, address(b)))
+            parts.append(k)
         return ("list", *parts)
     k = group.key_of(x)
     if k is None:
