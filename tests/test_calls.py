@@ -430,3 +430,22 @@ def test_exchange_buffers_that_now_overlap_are_refused_on_a_repeated_call() -> N
     errors = run_cpu(2, registered(fn))
     assert "share memory" in errors[0][0]
     assert all("share memory" in e[-1] for e in errors)
+
+
+def test_cached_exchange_calls_on_a_checked_group_still_agree_and_async_ones_return_work() -> None:
+    def fn(name: str, group: CpuGroup, rank: int) -> tuple[list[float], str]:
+        x, outs = np.full(2, float(rank)), [np.zeros(2), np.zeros(2)]
+        for _ in range(2):
+            col.barrier(name)
+            col.alltoall(outs, [x, x], name)
+            work = col.allgather(outs, x + 1, name, async_op=True)
+            assert work is not None
+            work.wait()
+        with pytest.raises(ArgumentValueError) as raised:
+            col.alltoall(outs, [x, x], name) if rank == 0 else col.barrier(name)
+        col.barrier(name)
+        return [float(o[0]) for o in outs], str(raised.value)
+
+    for values, message in run_cpu(2, registered(fn, checked=True)):
+        assert values == [1.0, 2.0]
+        assert "different arguments" in message
