@@ -1,7 +1,8 @@
 """The collective ops; each looks up its group, checks its arguments, then calls the group.
 
-allreduce, reduce, broadcast, send and recv take the path of ``calls``: a call's arguments are
-checked, and its launch built, on the first call of its key only.
+Every op here takes the path of ``calls`` (allreduce, reduce, broadcast, send, recv) or of
+``listcalls`` (allgather, reducescatter, barrier): a call's arguments are checked, and its launch
+built, on the first call of its key only.
 
 Every op writes its result into the caller's buffers in place and returns None,
 as in ``ray.util.collective``. Its argument checks run before anything is sent;
@@ -17,18 +18,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from collective import checks
+from collective import listcalls
 from collective.calls import ALLREDUCE, BROADCAST, RECV, REDUCE, SEND, call
-from collective.checks import checking
-from collective.outputs import check_written, unalias_output
 from collective.registry.held import get_group_handle
-from collective.types import (
-    AllGatherOptions,
-    BarrierOptions,
-    ReduceOp,
-    ReduceScatterOptions,
-)
-from collective.work import Work, issued
+from collective.types import ReduceOp
+from collective.work import Work
 
 
 def allreduce(
@@ -57,9 +51,7 @@ def barrier(
 ) -> Work | None:
     """Block until every rank of the group has called ``barrier``."""
     group = get_group_handle(group_name)
-    with checking(group, "barrier"):
-        options = BarrierOptions(*checks.check_call(timeout, async_op))
-    return issued(group.barrier(options), async_op)
+    return listcalls.call(listcalls.build_barrier, group, "barrier", (), (), timeout, async_op)
 
 
 def reduce(
@@ -114,16 +106,11 @@ def allgather(
         async_op: return a ``Work`` at once instead of waiting.
 
     """
+    args = (tensor_list, tensor)
     group = get_group_handle(group_name)
-    with checking(group, "allgather"):
-        spec = checks.check_tensor(group, tensor, "tensor")
-        outputs = checks.check_outputs(
-            group, tensor_list, "tensor_list", spec, group.world_size, disjoint=True
-        )
-        named = [(f"tensor_list[{i}]", t) for i, t in enumerate(outputs)]
-        options = AllGatherOptions(*checks.check_call(timeout, async_op))
-        check_written(group, named)
-    return issued(group.allgather([outputs], [tensor], options), async_op)
+    return listcalls.call(
+        listcalls.build_allgather, group, "allgather", args, (), timeout, async_op
+    )
 
 
 def reducescatter(
@@ -150,15 +137,11 @@ def reducescatter(
         async_op: return a ``Work`` at once instead of waiting.
 
     """
+    args = (tensor, tensor_list)
     group = get_group_handle(group_name)
-    with checking(group, "reducescatter"):
-        spec = checks.check_tensor(group, tensor, "tensor")
-        inputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, group.world_size)
-        op = checks.check_reduce_op(group, op, spec)
-        options = ReduceScatterOptions(op, *checks.check_call(timeout, async_op))
-        check_written(group, [("tensor", tensor)])
-        inputs = unalias_output(tensor, inputs, "tensor", "tensor_list")
-    return issued(group.reducescatter([tensor], [inputs], options), async_op)
+    return listcalls.call(
+        listcalls.build_reducescatter, group, "reducescatter", args, (op,), timeout, async_op
+    )
 
 
 def send(

@@ -14,7 +14,9 @@ every time, and its launch is not kept.
 
 ``ONE_BUFFER`` is the table of the ops that take one buffer (allreduce, reduce,
 broadcast, send, recv): what each checks and which options it builds, written once
-for every backend. A backend builds their launches in ``BaseGroup.build``.
+for every backend. A backend builds their launches in ``BaseGroup.build``. The
+other ops (on lists of buffers, barrier, the exchange and ``*_multigpu`` ops) take
+the same path through ``listcalls``.
 """
 
 from __future__ import annotations

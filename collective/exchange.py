@@ -1,7 +1,9 @@
 """Gather, scatter and all-to-all: the ops ``ray.util.collective`` lacks.
 
 Like every op, each looks up its group, checks its arguments before anything is
-sent, then calls the group; results land in the caller's buffers in place.
+sent, then calls the group; results land in the caller's buffers in place. Each
+takes the path of ``listcalls``: a call is checked, and its launch built, on the
+first call of its key only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 from collective import checks
 from collective.checks import checking
 from collective.groups.base import BaseGroup
+from collective.groups.launches import Launch
+from collective.listcalls import call, views
 from collective.outputs import check_written
 from collective.registry.held import get_group_handle
 from collective.tensor import split_rows
@@ -47,18 +51,8 @@ def gather(
         async_op: return a ``Work`` at once instead of waiting.
 
     """
-    group = get_group_handle(group_name)
-    with checking(group, "gather"):
-        spec = checks.check_tensor(group, tensor, "tensor")
-        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
-        outputs = checks.check_rooted_list(
-            group, gather_list, "gather_list", spec, dst_rank, "dst_rank"
-        )
-        named = [(f"gather_list[{i}]", t) for i, t in enumerate(outputs)]
-        checks.check_disjoint(named, [("tensor", tensor)])
-        options = GatherOptions(dst_rank, *checks.check_call(timeout, async_op))
-        check_written(group, named)
-    return issued(group.gather([outputs], [tensor], options), async_op)
+    args, group = (tensor, gather_list), get_group_handle(group_name)
+    return call(_build_gather, group, "gather", args, (dst_rank,), timeout, async_op)
 
 
 def scatter(
@@ -83,19 +77,8 @@ def scatter(
         async_op: return a ``Work`` at once instead of waiting.
 
     """
-    group = get_group_handle(group_name)
-    with checking(group, "scatter"):
-        spec = checks.check_tensor(group, tensor, "tensor")
-        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
-        inputs = checks.check_rooted_list(
-            group, scatter_list, "scatter_list", spec, src_rank, "src_rank"
-        )
-        checks.check_disjoint(
-            [("tensor", tensor)], [(f"scatter_list[{i}]", t) for i, t in enumerate(inputs)]
-        )
-        options = ScatterOptions(src_rank, *checks.check_call(timeout, async_op))
-        check_written(group, [("tensor", tensor)])
-    return issued(group.scatter([tensor], [inputs], options), async_op)
+    args, group = (tensor, scatter_list), get_group_handle(group_name)
+    return call(_build_scatter, group, "scatter", args, (src_rank,), timeout, async_op)
 
 
 def alltoall(
@@ -119,13 +102,8 @@ def alltoall(
         async_op: return a ``Work`` at once instead of waiting.
 
     """
-    group = get_group_handle(group_name)
-    with checking(group, "alltoall"):
-        inputs, dtype = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
-        outputs, _ = _same_dtype_list(group, output_tensor_list, "output_tensor_list", dtype)
-        names = ("output_tensor_list", "input_tensor_list")
-        options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
-    return issued(group.alltoall(outputs, inputs, options), async_op)
+    args, group = (output_tensor_list, input_tensor_list), get_group_handle(group_name)
+    return call(_build_alltoall, group, "alltoall", args, (), timeout, async_op)
 
 
 def alltoall_single(
@@ -151,7 +129,73 @@ def alltoall_single(
         async_op: return a ``Work`` at once instead of waiting.
 
     """
-    group = get_group_handle(group_name)
+    args, group = (output, input), get_group_handle(group_name)
+    sizes = (output_split_sizes, input_split_sizes)
+    return call(_build_alltoall_single, group, "alltoall_single", args, sizes, timeout, async_op)
+
+
+def _build_gather(
+    group: BaseGroup, x: Any, gather_list: Any, dst_rank: Any, timeout: Any, async_op: Any
+) -> Launch:
+    """Check a gather and return its launch; see ``gather``."""
+    with checking(group, "gather"):
+        spec = checks.check_tensor(group, x, "tensor")
+        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
+        outputs = checks.check_rooted_list(
+            group, gather_list, "gather_list", spec, dst_rank, "dst_rank"
+        )
+        named = [(f"gather_list[{i}]", t) for i, t in enumerate(outputs)]
+        checks.check_disjoint(named, [("tensor", x)])
+        options = GatherOptions(dst_rank, *checks.check_call(timeout, async_op))
+        check_written(group, named)
+    as_list, run = views(gather_list, group.world_size, spec.shape), group.gather
+    is_async = options.async_op
+    return lambda args: issued(run([as_list(args[1])], [args[0]], options), is_async)
+
+
+def _build_scatter(
+    group: BaseGroup, x: Any, scatter_list: Any, src_rank: Any, timeout: Any, async_op: Any
+) -> Launch:
+    """Check a scatter and return its launch; see ``scatter``."""
+    with checking(group, "scatter"):
+        spec = checks.check_tensor(group, x, "tensor")
+        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
+        inputs = checks.check_rooted_list(
+            group, scatter_list, "scatter_list", spec, src_rank, "src_rank"
+        )
+        checks.check_disjoint(
+            [("tensor", x)], [(f"scatter_list[{i}]", t) for i, t in enumerate(inputs)]
+        )
+        options = ScatterOptions(src_rank, *checks.check_call(timeout, async_op))
+        check_written(group, [("tensor", x)])
+    as_list, run = views(scatter_list, group.world_size, spec.shape), group.scatter
+    is_async = options.async_op
+    return lambda args: issued(run([args[0]], [as_list(args[1])], options), is_async)
+
+
+def _build_alltoall(
+    group: BaseGroup, output_tensor_list: Any, input_tensor_list: Any, timeout: Any, async_op: Any
+) -> Launch:
+    """Check an alltoall and return its launch; see ``alltoall``."""
+    with checking(group, "alltoall"):
+        inputs, dtype = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
+        outputs, _ = _same_dtype_list(group, output_tensor_list, "output_tensor_list", dtype)
+        names = ("output_tensor_list", "input_tensor_list")
+        options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
+    run, is_async = group.alltoall, options.async_op
+    return lambda args: issued(run(list(args[0]), list(args[1]), options), is_async)
+
+
+def _build_alltoall_single(
+    group: BaseGroup,
+    output: Any,
+    input: Any,
+    output_split_sizes: Any,
+    input_split_sizes: Any,
+    timeout: Any,
+    async_op: Any,
+) -> Launch:
+    """Check an alltoall_single and return its launch; see ``alltoall_single``."""
     with checking(group, "alltoall"):
         in_spec = checks.check_tensor(group, input, "input")
         out_spec = checks.check_tensor(group, output, "output")
@@ -172,7 +216,13 @@ def alltoall_single(
         outputs, inputs = split_rows(output, out_sizes), split_rows(input, in_sizes)
         names = ("output", "input")
         options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
-    return issued(group.alltoall(outputs, inputs, options), async_op)
+    run, is_async = group.alltoall, options.async_op
+
+    def launch(args: tuple[Any, Any]) -> Work | None:
+        outputs, inputs = split_rows(args[0], out_sizes), split_rows(args[1], in_sizes)
+        return issued(run(outputs, inputs, options), is_async)
+
+    return launch
 
 
 def _same_dtype_list(

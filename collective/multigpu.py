@@ -3,7 +3,9 @@
 An actor of rank ``r`` that passes ``n`` tensors, one per GPU, holds NCCL ranks
 ``r * n + i``; every actor of the group must pass the same number of tensors. Each
 op writes its results into the caller's buffers in place and returns None, and
-takes a keyword-only ``timeout`` that overrides the group's for this call.
+takes a keyword-only ``timeout`` that overrides the group's for this call. Each
+takes the path of ``listcalls``: a call is checked, and its launch built, on the
+first call of its key only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 from collective import checks, tensor
 from collective.checks import checking
 from collective.groups.base import BaseGroup
+from collective.groups.launches import Launch
+from collective.listcalls import call
 from collective.outputs import check_written
 from collective.registry.held import get_group_handle
 from collective.types import (
@@ -28,6 +32,7 @@ from collective.types import (
     ReduceScatterOptions,
     SendOptions,
 )
+from collective.work import Work
 
 
 def _gpu_group(group_name: str, function: str) -> BaseGroup:
@@ -45,11 +50,16 @@ def allreduce_multigpu(
 ) -> None:
     """Reduce every GPU's tensor across the group; each tensor of ``tensor_list`` receives it."""
     group = _gpu_group(group_name, "allreduce_multigpu")
+    call(_build_allreduce, group, "allreduce_multigpu", (tensor_list,), (op,), timeout, False)
+
+
+def _build_allreduce(group: BaseGroup, tensor_list: Any, op: Any, timeout: Any, _: bool) -> Launch:
     with checking(group, "allreduce"):
         tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
         options = AllReduceOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
         check_written(group, _named(tensors, "tensor_list"))
-    group.allreduce(tensors, options)
+    run = group.allreduce
+    return lambda args: _done(run(list(args[0]), options))
 
 
 def reduce_multigpu(
@@ -66,6 +76,19 @@ def reduce_multigpu(
     Only that tensor is written; every other tensor is left unchanged.
     """
     group = _gpu_group(group_name, "reduce_multigpu")
+    extra = (dst_rank, dst_tensor, op)
+    call(_build_reduce, group, "reduce_multigpu", (tensor_list,), extra, timeout, False)
+
+
+def _build_reduce(
+    group: BaseGroup,
+    tensor_list: Any,
+    dst_rank: Any,
+    dst_tensor: Any,
+    op: Any,
+    timeout: Any,
+    _: bool,
+) -> Launch:
     with checking(group, "reduce"):
         tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
         dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
@@ -74,7 +97,8 @@ def reduce_multigpu(
         options = ReduceOptions(ReduceOp.parse(op), dst_rank, dst_tensor, timeout)
         if group.rank == dst_rank:
             check_written(group, [(f"tensor_list[{dst_tensor}]", tensors[dst_tensor])])
-    group.reduce(tensors, options)
+    run = group.reduce
+    return lambda args: _done(run(list(args[0]), options))
 
 
 def broadcast_multigpu(
@@ -87,6 +111,13 @@ def broadcast_multigpu(
 ) -> None:
     """Copy tensor ``src_tensor`` of rank ``src_rank`` into every other GPU's tensor."""
     group = _gpu_group(group_name, "broadcast_multigpu")
+    extra = (src_rank, src_tensor)
+    call(_build_broadcast, group, "broadcast_multigpu", (tensor_list,), extra, timeout, False)
+
+
+def _build_broadcast(
+    group: BaseGroup, tensor_list: Any, src_rank: Any, src_tensor: Any, timeout: Any, _: bool
+) -> Launch:
     with checking(group, "broadcast"):
         tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
         src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
@@ -96,7 +127,8 @@ def broadcast_multigpu(
         if group.rank == src_rank:
             del written[src_tensor]
         check_written(group, written)
-    group.broadcast(tensors, options)
+    run = group.broadcast
+    return lambda args: _done(run(list(args[0]), options))
 
 
 def allgather_multigpu(
@@ -117,13 +149,21 @@ def allgather_multigpu(
 
     """
     group = _gpu_group(group_name, "allgather_multigpu")
+    args = (output_tensor_lists, input_tensor_list)
+    call(_build_allgather, group, "allgather_multigpu", args, (), timeout, False)
+
+
+def _build_allgather(
+    group: BaseGroup, output_tensor_lists: Any, input_tensor_list: Any, timeout: Any, _: bool
+) -> Launch:
     with checking(group, "allgather"):
         inputs = checks.check_gpu_tensor_list(group, input_tensor_list, "input_tensor_list")
         outputs = _tensor_lists(group, output_tensor_lists, "output_tensor_lists", len(inputs))
         options = AllGatherOptions(checks.check_timeout(timeout))
         for i, xs in enumerate(outputs):
             check_written(group, _named(xs, f"output_tensor_lists[{i}]"))
-    group.allgather(outputs, inputs, options)
+    run = group.allgather
+    return lambda args: _done(run([list(xs) for xs in args[0]], list(args[1]), options))
 
 
 def reducescatter_multigpu(
@@ -146,12 +186,25 @@ def reducescatter_multigpu(
 
     """
     group = _gpu_group(group_name, "reducescatter_multigpu")
+    args = (output_tensor_list, input_tensor_lists)
+    call(_build_reducescatter, group, "reducescatter_multigpu", args, (op,), timeout, False)
+
+
+def _build_reducescatter(
+    group: BaseGroup,
+    output_tensor_list: Any,
+    input_tensor_lists: Any,
+    op: Any,
+    timeout: Any,
+    _: bool,
+) -> Launch:
     with checking(group, "reducescatter"):
         outputs = checks.check_gpu_tensor_list(group, output_tensor_list, "output_tensor_list")
-        inputs = _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
+        _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
         options = ReduceScatterOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
         check_written(group, _named(outputs, "output_tensor_list"))
-    group.reducescatter(outputs, inputs, options)
+    run = group.reducescatter
+    return lambda args: _done(run(list(args[0]), [list(xs) for xs in args[1]], options))
 
 
 def send_multigpu(
@@ -165,6 +218,19 @@ def send_multigpu(
 ) -> None:
     """Send ``tensor`` (its first ``n_elements``, if not 0) to GPU ``dst_gpu_index`` of a peer."""
     group = _gpu_group(group_name, "send_multigpu")
+    extra = (dst_rank, dst_gpu_index, n_elements)
+    call(_build_send, group, "send_multigpu", (tensor,), extra, timeout, False)
+
+
+def _build_send(
+    group: BaseGroup,
+    tensor: Any,
+    dst_rank: Any,
+    dst_gpu_index: Any,
+    n_elements: Any,
+    timeout: Any,
+    _: bool,
+) -> Launch:
     dst_rank = checks.check_peer(dst_rank, group, "dst_rank")
     with checking(group, "send", dst_rank):
         checks.check_tensor(group, tensor, "tensor")
@@ -172,7 +238,8 @@ def send_multigpu(
         n_elements = checks.check_non_negative(n_elements, "n_elements")
         timeout = checks.check_timeout(timeout)
         options = SendOptions(dst_rank, dst_gpu_index, n_elements, timeout)
-    group.send([tensor], options)
+    run = group.send
+    return lambda args: _done(run([args[0]], options))
 
 
 def recv_multigpu(
@@ -186,6 +253,19 @@ def recv_multigpu(
 ) -> None:
     """Receive into ``tensor`` (its first ``n_elements``, if not 0) from a peer's GPU."""
     group = _gpu_group(group_name, "recv_multigpu")
+    extra = (src_rank, src_gpu_index, n_elements)
+    call(_build_recv, group, "recv_multigpu", (tensor,), extra, timeout, False)
+
+
+def _build_recv(
+    group: BaseGroup,
+    tensor: Any,
+    src_rank: Any,
+    src_gpu_index: Any,
+    n_elements: Any,
+    timeout: Any,
+    _: bool,
+) -> Launch:
     src_rank = checks.check_peer(src_rank, group, "src_rank")
     with checking(group, "recv", src_rank):
         checks.check_tensor(group, tensor, "tensor")
@@ -194,7 +274,8 @@ def recv_multigpu(
         timeout = checks.check_timeout(timeout)
         options = RecvOptions(src_rank, src_gpu_index, n_elements, timeout)
         check_written(group, [("tensor", tensor)])
-    group.recv([tensor], options)
+    run = group.recv
+    return lambda args: _done(run([args[0]], options))
 
 
 def synchronize(gpu_id: int) -> None:
@@ -211,6 +292,11 @@ def _tensor_lists(group: BaseGroup, xs: Any, name: str, length: int) -> list[lis
     if len(xs) != length:
         raise ArgumentValueError(f"{name} must hold {length} lists (one per GPU), got {len(xs)}")
     return [checks.check_gpu_tensor_list(group, x, f"{name}[{i}]") for i, x in enumerate(xs)]
+
+
+def _done(work: Work) -> None:
+    """Return what a ``*_multigpu`` op returns once its blocking op has run: None."""
+    return None
 
 
 def _named(xs: list[Any], name: str) -> list[tuple[str, Any]]:

@@ -77,10 +77,11 @@ def read_only_message(name: str, x: Any) -> str:
     )
 
 
-def unalias_output(output: Any, inputs: list[Any], name: str, list_name: str) -> list[Any]:
-    """Return ``inputs`` with every buffer that is ``output`` itself replaced by a copy of it.
+def same_as_output(output: Any, inputs: list[Any], name: str, list_name: str) -> list[int]:
+    """Return the indices of the buffers of ``inputs`` that are ``output`` itself.
 
-    So ``reducescatter(chunks[rank], chunks)`` reads every chunk before the result
+    The op reads those from a copy of ``output`` taken before it runs, so
+    ``reducescatter(chunks[rank], chunks)`` reads every chunk before the result
     lands in ``chunks[rank]``, and no other chunk changes.
 
     Raises:
@@ -94,7 +95,4 @@ def unalias_output(output: Any, inputs: list[Any], name: str, list_name: str) ->
             f"{name} and {list_name}[{i}] share memory; {name} may be one of the "
             f"buffers of {list_name}, but not a part of one"
         )
-    if tensor.SAME not in found:
-        return inputs
-    copy = tensor.copy_of(output)
-    return [copy if how == tensor.SAME else x for x, how in zip(inputs, found, strict=True)]
+    return [i for i, how in enumerate(found) if how == tensor.SAME]

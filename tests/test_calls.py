@@ -1,8 +1,9 @@
-"""The call path of allreduce, reduce and broadcast: checked and built once per key, then looked up.
+"""The call path of the ops on one buffer: checked and built once per key, then looked up.
 
 Ranks are threads meeting on a TCPStore (see ``test_shm.run_cpu``); each rank's
 group is registered under a name of its own, and the public functions run on it.
-The spy on the checks wraps the real ``check_tensor``.
+The spy on the checks wraps the real ``check_tensor``. ``test_listcalls`` covers the
+other ops.
 """
 
 from __future__ import annotations

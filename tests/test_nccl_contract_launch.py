@@ -262,3 +262,56 @@ def test_nothing_records_queries_or_syncs_while_a_stream_captures(
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
     assert trace.named("eventRecord")
     assert r.groups[0].error is None
+
+
+def test_repeated_list_and_multigpu_calls_are_checked_once_and_make_the_same_nccl_calls(
+    ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked: list[Any] = []
+    real = calls.checks.check_timeout
+
+    def spy(timeout: Any) -> Any:  # every op's checks check its timeout once
+        checked.append(timeout)
+        return real(timeout)
+
+    monkeypatch.setattr(calls.checks, "check_timeout", spy)
+    r = ranks(1)
+    name, g = r.name, r.groups[0]
+    held.create_group(name, lambda: (g, None))
+    try:
+        x, outs = DeviceArray(SHAPE, "float64"), [DeviceArray(SHAPE, "float64")]
+        a = [DeviceArray(SHAPE, "float64", device=i) for i in range(2)]
+        lists = [[DeviceArray(SHAPE, "float64", device=i) for _ in range(2)] for i in range(2)]
+
+        def once(*_: Any) -> None:
+            col.allgather(outs, x, name)
+            col.reducescatter(x, outs, name)
+            col.gather(x, outs, 0, name)
+            col.scatter(x, outs, 0, name)
+            col.alltoall(outs, [x], name)
+            col.barrier(name)
+            col.allreduce_multigpu(a, name, op="max")
+            col.reduce_multigpu(a, 0, 1, name)
+            col.broadcast_multigpu(a, 0, 1, name)
+            col.allgather_multigpu(lists, a, name)
+            col.reducescatter_multigpu(a, lists, name)
+
+        traces = []  # the barrier allreduces a new one-element buffer each time
+        for _ in range(3):
+            r.run(once)
+            traces.append([(e.name, e.args) for e in without_checks(r.cupys[0].trace.entries)])
+            r.clear()
+            assert len(checked) == 11, "a repeated call ran its checks again"
+        nccl = ("allReduce", "broadcast", "reduce", "allGather", "reduceScatter", "send", "recv")
+        made = [
+            [
+                (n, args if n != "allReduce" or args[2] > 1 else args[2:-1])
+                for n, args in t
+                if n in nccl
+            ]
+            for t in traces
+        ]
+        assert made[0] == made[1] == made[2], "a cached call made other NCCL calls"
+        assert len(made[0]) >= 11
+    finally:
+        col.destroy_collective_group(name)
