@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 import collective as col
 from collective import tensor
-from collective.groups.nccl.group import NCCLGroup
 from collective.groups.nccl import comm as nccl_comm
+from collective.groups.nccl.group import NCCLGroup
 from collective.registry import held
 from collective.rendezvous.store import TCPRendezvousStore
 from collective.tensor.kinds import is_torch

@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 
 from collective import tensor
-from collective.groups.nccl.group import NCCLGroup
 from collective.groups.nccl import comm as nccl_comm
+from collective.groups.nccl.group import NCCLGroup
 from collective.rendezvous.store import TCPRendezvousStore
 from tests.nccl_binding import ContractCupy, no_driver
 

@@ -18,7 +18,7 @@ import torch
 
 import collective as col
 from collective import calls
-from collective.groups.cpu import CpuGroup
+from collective.groups.cpu.group import CpuGroup
 from collective.types import ArgumentValueError, GroupOptions, ReduceOp
 from tests.test_calls import _GLOO, registered
 from tests.test_shm import run_cpu

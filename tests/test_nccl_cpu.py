@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 import collective as col
 from collective import tensor
-from collective.groups.nccl.group import NCCLGroup
 from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     UNIQUE_ID_BYTES,
@@ -30,6 +29,7 @@ from collective.groups.nccl.comm import (
     exchange_unique_id,
     unique_id_argument,
 )
+from collective.groups.nccl.group import NCCLGroup
 from collective.rendezvous.membership import join_store, leave_store
 from collective.rendezvous.store import RendezvousStore, TCPRendezvousStore, meet
 from collective.tensor import NCCL_DTYPES, TensorSpec
