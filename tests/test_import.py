@@ -36,6 +36,7 @@ def test_public_names_are_all_exported() -> None:
             "api",
             "bulk",
             "calls",
+            "listcalls",
             "checked",
             "checks",
             "exchange",

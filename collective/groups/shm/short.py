@@ -186,5 +186,14 @@ class ShortOps:
         return plan
 
     def release(self) -> None:
-        """Drop every view of the arena, so that it can be unmapped; no op may follow."""
+        """Drop every view of the arena, so that it can be unmapped; no op may follow.
+
+        The plans' views are dropped in place: a plan still held elsewhere (a cached
+        launch, the traceback of an op that failed) holds none then.
+        """
+        for plan in self._plans.values():
+            if plan is not None:
+                for views in plan.parts:
+                    views.clear()
+                plan.parts.clear()
         self._plans = {}
