@@ -40,16 +40,6 @@ Builder = Callable[..., Launch]
 """Checks a call's arguments (all but the group and the key) and returns its launch."""
 
 
-def address(x: Any) -> int:
-    """Return the address of buffer ``x``'s first element (of a numpy, torch or cupy buffer)."""
-    if x.__class__.__module__.startswith("torch"):
-        return int(x.data_ptr())
-    interface = getattr(x, "__array_interface__", None)
-    if interface is not None:
-        return int(interface["data"][0])
-    return int(x.data.ptr)
-
-
 def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     """Return the key of one argument: a buffer, a list (or tuple) of arguments, or None.
 
@@ -68,7 +58,7 @@ def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     k = group.key_of(x)
     if k is None:
         return None
-    return ("buffer", k, address(x))
+    return ("buffer", k, tensor.start_address(x))
 
 
 def extra_key(value: Any) -> Hashable:

@@ -122,14 +122,13 @@ def _list_call(
         listing = listing if ok else None
         claim = Claim(op, "tensors", root, reduce_op, count, bucket, listing, True, captured.error)
         like = _like(group, xs)
-        if is_async and _capturing(like):
+        capturing = _capturing(like)
+        if is_async and capturing:
             raise ArgumentValueError(
                 f"async_op must be False while a CUDA graph is captured, got {async_op!r}"
             )
         turn.bound(AGREEMENT_OPS, checked_timeout or group.timeout)
-        agreement = agree(
-            data, claim, checked_timeout, _on_device(like), capturing=_capturing(like)
-        )
+        agreement = agree(data, claim, checked_timeout, _on_device(like), capturing=capturing)
         writes = reduce_op is not None or not reads
         mine = (lambda: _writable(xs)) if hit and writes else (lambda: xs)
         moves = _moves(

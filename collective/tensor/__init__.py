@@ -44,6 +44,7 @@ from collective.tensor.memory import (
     self_overlapping,
     shares_elements,
     spans_overlap,
+    start_address,
     write_hazards,
 )
 from collective.tensor.packing import (
@@ -107,6 +108,7 @@ __all__ = [
     "spans_overlap",
     "spec",
     "split_rows",
+    "start_address",
     "synchronize_device",
     "to_device",
     "to_host",

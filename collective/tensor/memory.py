@@ -26,6 +26,16 @@ def layout_of(x: Any) -> tuple[int, int, list[tuple[int, int]]]:
     return start, itemsize, list(zip((int(d) for d in x.shape), strides, strict=True))
 
 
+def start_address(x: Any) -> int:
+    """Return the address of buffer ``x``'s first element (a numpy, torch or cupy buffer)."""
+    if is_torch(x):
+        return int(x.data_ptr())
+    interface = getattr(x, "__array_interface__", None)
+    if interface is not None:
+        return int(interface["data"][0])
+    return int(x.data.ptr)
+
+
 def span_of(layout: tuple[int, int, list[tuple[int, int]]]) -> tuple[int, int]:
     """Return the memory span (see ``memory_span``) of a ``layout_of`` result."""
     start, itemsize, dims = layout
