@@ -1,7 +1,9 @@
 """Collective communication for Ray actors, a drop-in for ``ray.util.collective``."""
 
 from collective._version import __version__ as __version__
-from collective.api import (
+from collective.bulk.api import allreduce_tensors, broadcast_state_dict, broadcast_tensors
+from collective.groups.base import BaseGroup
+from collective.ops.collectives import (
     allgather,
     allreduce,
     barrier,
@@ -11,10 +13,8 @@ from collective.api import (
     reducescatter,
     send,
 )
-from collective.bulk.api import allreduce_tensors, broadcast_state_dict, broadcast_tensors
-from collective.exchange import alltoall, alltoall_single, gather, scatter
-from collective.groups.base import BaseGroup
-from collective.multigpu import (
+from collective.ops.gather_scatter import alltoall, alltoall_single, gather, scatter
+from collective.ops.multigpu import (
     allgather_multigpu,
     allreduce_multigpu,
     broadcast_multigpu,

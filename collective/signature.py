@@ -9,7 +9,7 @@ message's length); from 18 (``FIXED``) on, alltoall's elements to each peer, the
 from each peer.
 
 Ops, dtypes and reduce ops are their codes: an op's index in ``OPS``, a dtype's
-in ``tensor.dtypes.TABLE``, a reduce op's ``ReduceOp`` value; ``UNSET`` marks a
+in ``frameworks.dtypes.TABLE``, a reduce op's ``ReduceOp`` value; ``UNSET`` marks a
 field the op does not use. ``checked.CheckedGroup`` allgathers the whole words,
 the Gloo agreement the ``CORE`` words, NCCL's mismatch check the ``FIXED`` words,
 and a shared-memory step header ``pack``s the op, dtype, reduce op and root into
@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collective.tensor import spec
-from collective.tensor.dtypes import CODES, ITEMSIZE, NAMES
+from collective.frameworks import spec
+from collective.frameworks.dtypes import CODES, ITEMSIZE, NAMES
 from collective.types import ArgumentError, ArgumentTypeError, ArgumentValueError, ReduceOp
 
 OPS = (

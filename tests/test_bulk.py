@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from collective.bulk import calls, pipeline
-from collective.checked import CheckedGroup
+from collective.checks.check_args import CheckedGroup
+from collective.frameworks import ITEMSIZE, Staging
 from collective.groups.base import BaseGroup
-from collective.tensor import ITEMSIZE, Staging
 from collective.types import (
     AllReduceOptions,
     ArgumentTypeError,

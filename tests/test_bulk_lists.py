@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from collective.bulk import calls
+from collective.frameworks import Staging
+from collective.frameworks.bytelist import ByteList, address, byte_runs
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.group import CpuGroup
-from collective.tensor import Staging
-from collective.tensor.bytelist import ByteList, address, byte_runs
 from tests.test_gloo_group import run_ranks
 from tests.test_shm import run_cpu
 

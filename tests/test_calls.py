@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import collective as col
-from collective import calls
-from collective.checked import CheckedGroup
+from collective.checks.check_args import CheckedGroup
 from collective.groups import launches
 from collective.groups.cpu.group import CpuGroup
+from collective.ops import calls
 from collective.registry import held
 from collective.types import (
     ArgumentTypeError,
@@ -41,14 +41,14 @@ _GLOO = GroupOptions(cpu_transport=CpuTransport.GLOO)
 def checked_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int, int]]:
     """Count each thread's calls of the real ``check_tensor`` on the call path, by thread id."""
     counts: dict[int, int] = {}
-    real = calls.checks.check_tensor
+    real = calls.arguments.check_tensor
 
     def spy(*args: Any) -> Any:
         me = threading.get_ident()
         counts[me] = counts.get(me, 0) + 1
         return real(*args)
 
-    monkeypatch.setattr(calls.checks, "check_tensor", spy)
+    monkeypatch.setattr(calls.arguments, "check_tensor", spy)
     yield counts
 
 

@@ -21,7 +21,7 @@ import torch
 from ray.exceptions import RayTaskError
 
 import collective as col
-from collective.checks import MAX_GROUP_NAME_BYTES
+from collective.checks.arguments import MAX_GROUP_NAME_BYTES
 from tests.conftest import RAY_TIMEOUT_S, live_groups, run_all, unique_name
 
 OP_TIMEOUT = timedelta(seconds=2)

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective.checked import CheckedGroup
+from collective.checks.check_args import CheckedGroup
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.group import CpuGroup
 from collective.groups.gloo.group import GlooGroup

@@ -33,22 +33,15 @@ def test_public_names_are_all_exported() -> None:
         if not name.startswith("_")
         and name
         not in {
-            "api",
             "bulk",
-            "calls",
-            "listcalls",
-            "checked",
             "checks",
-            "exchange",
+            "frameworks",
             "groups",
-            "registry",
-            "multigpu",
-            "objectstore",
-            "outputs",
+            "ops",
             "ray_plugins",
+            "registry",
             "rendezvous",
             "signature",
-            "tensor",
             "types",
             "work",
         }

@@ -1,4 +1,4 @@
-"""The call path of the ops on several buffers, barrier and the exchange ops (``listcalls``).
+"""The call path of the ops on several buffers, barrier and the exchange ops (``list_calls``).
 
 Checked and built once per key, then looked up; buffers that now lie otherwise
 relative to each other are checked anew. Ranks are threads meeting on a TCPStore
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import collective as col
-from collective import calls
 from collective.groups.cpu.group import CpuGroup
+from collective.ops import calls
 from collective.types import ArgumentValueError, GroupOptions, ReduceOp
 from tests.test_calls import _GLOO, registered
 from tests.test_shm import run_cpu
@@ -28,14 +28,14 @@ from tests.test_shm import run_cpu
 def checked_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int, int]]:
     """Count each thread's calls of the real ``check_call``, which every op's checks run once."""
     counts: dict[int, int] = {}
-    real = calls.checks.check_call
+    real = calls.arguments.check_call
 
     def spy(*args: Any) -> Any:
         me = threading.get_ident()
         counts[me] = counts.get(me, 0) + 1
         return real(*args)
 
-    monkeypatch.setattr(calls.checks, "check_call", spy)
+    monkeypatch.setattr(calls.arguments, "check_call", spy)
     yield counts
 
 

@@ -387,7 +387,7 @@ def test_barrier_allreduces_one_int32_and_blocks_until_done(ranks: Callable[...,
 
 
 def views(n: int, dtype: str) -> list[DeviceArray]:
-    """Return ``n`` consecutive chunks of one GPU buffer, as ``tensor.chunks`` makes them."""
+    """Return ``n`` consecutive chunks of one GPU buffer, as ``frameworks.chunks`` makes them."""
     chunks = bufs(n, dtype)
     nbytes = COUNT * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
     for j, chunk in enumerate(chunks):

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 import collective as col
-from collective import calls, tensor
+from collective import frameworks
 from collective.groups.nccl import launch as nccl_launch
+from collective.ops import calls
 from collective.registry import held
 from collective.types import (
     AllReduceOptions,
@@ -52,13 +53,13 @@ def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
 def described(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Count every buffer description the backend makes."""
     seen: list[Any] = []
-    real = tensor.cuda_buffer
+    real = frameworks.cuda_buffer
 
     def counting(x: Any, name: str) -> Any:
         seen.append(x)
         return real(x, name)
 
-    monkeypatch.setattr(tensor, "cuda_buffer", counting)
+    monkeypatch.setattr(frameworks, "cuda_buffer", counting)
     return seen
 
 
@@ -102,13 +103,13 @@ def test_public_calls_are_checked_once_per_key_and_a_reused_address_of_another_d
     ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checked: list[Any] = []
-    real = calls.checks.check_tensor
+    real = calls.arguments.check_tensor
 
     def spy(group: Any, x: Any, name: str) -> Any:
         checked.append(x)
         return real(group, x, name)
 
-    monkeypatch.setattr(calls.checks, "check_tensor", spy)
+    monkeypatch.setattr(calls.arguments, "check_tensor", spy)
     r = ranks(1)
     name = _registered(r)
     try:
@@ -140,7 +141,7 @@ def test_another_buffer_stream_or_option_builds_its_own_launch(
     r.run(lambda _, g: g.allreduce([y], AllReduceOptions()))
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions(ReduceOp.MAX)))
     r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=0)))
-    monkeypatch.setattr(tensor, "current_stream", lambda x: 0xBEEF)
+    monkeypatch.setattr(frameworks, "current_stream", lambda x: 0xBEEF)
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
     entries = without_checks(r.cupys[0].trace.entries)
     calls = [(e.name, e.args) for e in entries if e.name in ("allReduce", "broadcast")]
@@ -268,13 +269,13 @@ def test_repeated_list_and_multigpu_calls_are_checked_once_and_make_the_same_ncc
     ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checked: list[Any] = []
-    real = calls.checks.check_timeout
+    real = calls.arguments.check_timeout
 
     def spy(timeout: Any) -> Any:  # every op's checks check its timeout once
         checked.append(timeout)
         return real(timeout)
 
-    monkeypatch.setattr(calls.checks, "check_timeout", spy)
+    monkeypatch.setattr(calls.arguments, "check_timeout", spy)
     r = ranks(1)
     name, g = r.name, r.groups[0]
     held.create_group(name, lambda: (g, None))

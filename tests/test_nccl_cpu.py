@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import collective as col
-from collective import tensor
+from collective import frameworks
+from collective.frameworks import NCCL_DTYPES, TensorSpec
 from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     UNIQUE_ID_BYTES,
@@ -32,7 +33,6 @@ from collective.groups.nccl.comm import (
 from collective.groups.nccl.group import NCCLGroup
 from collective.rendezvous.membership import join_store, leave_store
 from collective.rendezvous.store import RendezvousStore, TCPRendezvousStore, meet
-from collective.tensor import NCCL_DTYPES, TensorSpec
 from collective.types import CollectiveError, CollectiveTimeoutError, ReduceOp
 from tests.conftest import RAY_TIMEOUT_S, run_all, unique_name
 
@@ -106,30 +106,30 @@ def test_cuda_buffer_describes_a_gpu_array(dtype: str) -> None:
     fake = FakeCupyArray(host, device=3)
     if dtype == "bfloat16":
         fake.dtype = SimpleNamespace(name="bfloat16", itemsize=2)
-    buf = tensor.cuda_buffer(fake, "tensor")
+    buf = frameworks.cuda_buffer(fake, "tensor")
     assert buf.ptr == host.__array_interface__["data"][0]
     assert (buf.count, buf.dtype, buf.device) == (15, dtype, 3)
     assert buf.nccl_dtype == NCCL_H_DTYPES[dtype]
     assert buf.nbytes == 15 * fake.dtype.itemsize
-    assert tensor.spec(fake, "tensor").device == "cuda:3"
+    assert frameworks.spec(fake, "tensor").device == "cuda:3"
 
 
 def test_cuda_buffer_rejects_a_non_contiguous_gpu_array() -> None:
     fake = FakeCupyArray(np.zeros((4, 6), dtype=np.float32)[:, ::2])
     with pytest.raises(ValueError, match="tensor must be contiguous"):
-        tensor.cuda_buffer(fake, "tensor")
+        frameworks.cuda_buffer(fake, "tensor")
 
 
 @pytest.mark.parametrize("dtype", ["bool", "uint32", "complex64"])
 def test_cuda_buffer_rejects_dtypes_nccl_does_not_move(dtype: str) -> None:
     with pytest.raises(TypeError, match=f"tensor has dtype {dtype}"):
-        tensor.cuda_buffer(FakeCupyArray(np.zeros(4, dtype=dtype)), "tensor")
+        frameworks.cuda_buffer(FakeCupyArray(np.zeros(4, dtype=dtype)), "tensor")
 
 
 @pytest.mark.parametrize("make", [np.ones, torch.ones], ids=["numpy", "torch"])
 def test_cuda_buffer_rejects_a_cpu_tensor(make: Any) -> None:
     with pytest.raises(TypeError, match=r"x must be a cupy array or a CUDA torch tensor.*cpu"):
-        tensor.cuda_buffer(make(4), "x")
+        frameworks.cuda_buffer(make(4), "x")
 
 
 def _bare_group(cls: type) -> Any:
@@ -140,8 +140,8 @@ def _bare_group(cls: type) -> Any:
 def test_nccl_group_rejects_a_cpu_tensor_with_type_error() -> None:
     group = _bare_group(NCCLGroup)
     with pytest.raises(TypeError, match=r"tensor must be a cuda tensor for a nccl group.*cpu"):
-        group.check_tensor(tensor.spec(np.ones(4, dtype=np.float32), "tensor"), "tensor")
-    group.check_tensor(tensor.spec(FakeCupyArray(np.ones(4, np.float32)), "tensor"), "tensor")
+        group.check_tensor(frameworks.spec(np.ones(4, dtype=np.float32), "tensor"), "tensor")
+    group.check_tensor(frameworks.spec(FakeCupyArray(np.ones(4, np.float32)), "tensor"), "tensor")
 
 
 def test_gloo_group_rejects_a_gpu_tensor_with_type_error() -> None:

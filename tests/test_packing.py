@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from collective.bulk import calls
+from collective.frameworks import Batch, Staging
 from collective.groups.base import BaseGroup
-from collective.tensor import Batch, Staging
 from collective.types import ReduceOp
 from tests.test_shm import run_cpu
 

@@ -18,13 +18,13 @@ import torch
 
 import collective
 from collective import signature
+from collective.frameworks import DTYPES, ITEMSIZE, NCCL_DTYPES, spec
+from collective.frameworks import dtypes as table
 from collective.groups.cpu.group import CpuGroup
 from collective.groups.gloo.agree import WIDTH, Records, disagreement
 from collective.groups.nccl import mismatch
 from collective.groups.shm import steps
 from collective.signature import CORE, FIXED, UNSET, Call
-from collective.tensor import DTYPES, ITEMSIZE, NCCL_DTYPES, spec
-from collective.tensor import dtypes as table
 from collective.types import FLOAT_DTYPES, AllReduceOptions, CollectiveError, ReduceOp
 from tests.test_shm import run_cpu
 

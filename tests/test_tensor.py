@@ -1,4 +1,4 @@
-"""Unit tests of collective.tensor: specs, memory spans and overlap, CPU buffer staging."""
+"""Unit tests of collective.frameworks: specs, memory spans and overlap, CPU buffer staging."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from collective import objectstore
-from collective.tensor import (
+from collective.frameworks import (
     DTYPES,
     GRAD_LEAF,
     OVERLAPPING,
@@ -24,13 +23,14 @@ from collective.tensor import (
     aliasing,
     copy_of,
     memory_span,
+    objectstore,
     overlaps,
     plain_dtype,
     plain_flat,
     spec,
     write_hazards,
 )
-from collective.tensor import memory as tensor_memory
+from collective.frameworks import memory as tensor_memory
 from collective.types import ArgumentTypeError
 
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective import checked, signature
+from collective import signature
 from collective.bulk.meta import Listing, differences
+from collective.checks import check_args
+from collective.frameworks import array_bytes, byte_array, to_host
 from collective.groups.base import BaseGroup
-from collective.tensor import array_bytes, byte_array, to_host
 from collective.types import (
     ArgumentError,
     ArgumentValueError,
@@ -117,7 +118,7 @@ def agree(
         return _agreed_before(group, claim, key)
     slots = signature.of_call(op, n, None, claim.root, claim.reduce_op, claim.count)
     slots += [claim.bucket_bytes, digest, len(encoded), flags]
-    signatures = checked.agree(group, op, slots, timeout, claim.error, on_device)
+    signatures = check_args.agree(group, op, slots, timeout, claim.error, on_device)
     extras = [s[-_EXTRA:] for s in signatures]
     _same_buckets(group, op, [e[0] for e in extras])
     ref_digest, ref_bytes = extras[reference][1], extras[reference][2]
@@ -136,7 +137,7 @@ def agree(
             where = f"rank {group.rank}"
             problem = differences(listing, source_order, where, there, claim.argument, claim.strict)
         error = ArgumentValueError(problem) if problem else None
-        checked.agree(group, op, signature.blank(op, n), timeout, error, on_device)
+        check_args.agree(group, op, signature.blank(op, n), timeout, error, on_device)
     if source_order is not None:
         agreement = Agreement(source_order.sorted(), source_order)
     elif layout is None:

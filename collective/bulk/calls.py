@@ -1,4 +1,4 @@
-"""The bulk calls on a given group: agree, plan, then move; ``api`` finds the group.
+"""The bulk calls on a given group: agree, plan, then move; ``bulk.api`` finds the group.
 
 Each call first makes the ranks agree on what moves (``agree``): the source's names,
 dtypes and shapes, or rank 0's for a reduction. Any disagreement, and any rank's bad
@@ -14,13 +14,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, signature, tensor
+from collective import frameworks, signature
 from collective.bulk import local, repeat
 from collective.bulk.agree import Agreement, Claim, agree
 from collective.bulk.pipeline import Moves, start
 from collective.bulk.plan import plan
 from collective.bulk.turns import AGREEMENT_OPS, held
-from collective.checked import CheckedGroup
+from collective.checks import arguments
+from collective.checks.check_args import CheckedGroup
 from collective.groups.base import BaseGroup
 from collective.types import ArgumentValueError, ReduceOp
 from collective.work import Work
@@ -54,7 +55,7 @@ def broadcast_tensors(
     """Run ``collective.broadcast_tensors`` on ``group``; see there."""
 
     def source() -> tuple[int, ReduceOp | None]:
-        return checks.check_rank(src_rank, group.world_size, "src_rank"), None
+        return arguments.check_rank(src_rank, group.world_size, "src_rank"), None
 
     default = _broadcast_bucket(group)
     return _list_call(
@@ -99,7 +100,7 @@ def _list_call(
         checked_timeout, is_async, bucket, reads, kept, hit = None, False, 0, False, None, False
         with local.Captured() as captured:
             root, reduce_op = how()
-            checked_timeout, is_async = checks.check_call(timeout, async_op)
+            checked_timeout, is_async = arguments.check_call(timeout, async_op)
             bucket = local.check_bucket_bytes(bucket_bytes, default_bucket)
             xs = local.check_list(tensors, "tensors")
             reads = reduce_op is not None or group.rank == root
@@ -153,10 +154,10 @@ def broadcast_state_dict(
         checked_timeout, is_strict, kept, hit = None, True, None, False
         receiving = False
         with local.Captured() as captured:
-            root = checks.check_rank(src_rank, group.world_size, "src_rank")
+            root = arguments.check_rank(src_rank, group.world_size, "src_rank")
             receiving = group.rank != root
-            checked_timeout = checks.check_timeout(timeout)
-            is_strict = checks.check_bool(strict, "strict")
+            checked_timeout = arguments.check_timeout(timeout)
+            is_strict = arguments.check_bool(strict, "strict")
             bucket = local.check_bucket_bytes(bucket_bytes, _broadcast_bucket(group))
             if state_dict is None and not receiving:
                 raise ArgumentValueError(f"state_dict is required on src_rank ({root}), got None")
@@ -195,7 +196,7 @@ def broadcast_state_dict(
             source = agreement.source_order
             names = source.names or ()
             result = entries = {
-                name: tensor.empty(dtype, shape, group.device_type)
+                name: frameworks.empty(dtype, shape, group.device_type)
                 for name, dtype, shape in zip(names, source.dtypes, source.shapes, strict=True)
             }
             values = list(entries.values())
@@ -232,23 +233,23 @@ def _unwrapped(group: BaseGroup) -> BaseGroup:
 def _like(group: BaseGroup, xs: list[Any]) -> Any:
     """Return a buffer next to which staging and control messages go: ``xs[0]`` if it fits."""
     on_gpu = group.device_type == "cuda"
-    if xs and tensor.is_buffer(xs[0]) and tensor.on_gpu(xs[0]) == on_gpu:
+    if xs and frameworks.is_buffer(xs[0]) and frameworks.on_gpu(xs[0]) == on_gpu:
         return xs[0]
-    return tensor.empty("uint8", (0,), "cuda") if on_gpu else None
+    return frameworks.empty("uint8", (0,), "cuda") if on_gpu else None
 
 
 def _capturing(like: Any) -> bool:
     """Return whether the caller's stream on ``like`` (a GPU buffer, or None) captures a graph."""
-    return like is not None and tensor.on_gpu(like) and tensor.capturing(like)
+    return like is not None and frameworks.on_gpu(like) and frameworks.capturing(like)
 
 
 def _on_device(like: Any) -> Callable[[Any], Any]:
-    return lambda array: tensor.to_device(array, like)
+    return lambda array: frameworks.to_device(array, like)
 
 
 def _writable(xs: list[Any]) -> list[Any]:
-    """Return views of ``xs`` to write in place (``tensor.writable``); their checks have passed."""
-    return [tensor.writable(x) for x in xs]
+    """Return views of ``xs`` to write in place (``frameworks.writable``); checks have passed."""
+    return [frameworks.writable(x) for x in xs]
 
 
 def _moves(
@@ -279,7 +280,7 @@ def _moves(
             return Moves(group, [], held, reads, writes, like, timeout, root, whole=mine.runs)
         xs = ordered()
         whole = [
-            x if x is not None else tensor.empty(layout.dtypes[i], layout.shapes[i], "cpu")
+            x if x is not None else frameworks.empty(layout.dtypes[i], layout.shapes[i], "cpu")
             for i, x in enumerate(xs)
         ]
         if kept is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from collective.bulk.meta import Listing
-from collective.tensor import ITEMSIZE
+from collective.frameworks import ITEMSIZE
 
 
 @dataclass(frozen=True)

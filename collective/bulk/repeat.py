@@ -19,9 +19,9 @@ from typing import Any
 
 from collective.bulk.meta import Listing
 from collective.bulk.plan import Step
+from collective.frameworks.bytelist import ByteList, byte_runs
+from collective.frameworks.prints import Fingerprint, fingerprint
 from collective.groups.base import BaseGroup
-from collective.tensor.bytelist import ByteList, byte_runs
-from collective.tensor.prints import Fingerprint, fingerprint
 
 KEPT_PER_GROUP = 4
 """Calls kept per group, the most recent ones; the oldest goes first."""

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, cast
 
+from collective.frameworks import TensorSpec, cpu_key
 from collective.groups.launches import Launch, Launches
 from collective.rendezvous.store import RendezvousStore
-from collective.tensor import TensorSpec, cpu_key
 from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,

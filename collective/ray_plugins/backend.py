@@ -21,7 +21,8 @@ from ray.util.collective.collective_group.base_collective_group import (
     BaseGroup as RayBaseGroup,
 )
 
-from collective import api, multigpu, tensor
+from collective import frameworks
+from collective.ops import collectives, multigpu
 from collective.ray_plugins.names import DEFAULT_NAME
 from collective.registry import lifecycle, queries
 from collective.types import ArgumentTypeError, CollectiveError, ReduceOp
@@ -85,7 +86,7 @@ class RayGroup(RayBaseGroup):
         lifecycle.init_collective_group(world_size, rank, "gloo", self._cpu, timeout=timeout)
         try:
             everyone = np.array([1 if _has_gpu() else 0], dtype=np.int32)
-            api.allreduce(everyone, self._cpu, ReduceOp.MIN)
+            collectives.allreduce(everyone, self._cpu, ReduceOp.MIN)
             if everyone[0]:
                 gpu = gpu_group_name(group_name)
                 lifecycle.init_collective_group(world_size, rank, "nccl", gpu, timeout=timeout)
@@ -111,7 +112,7 @@ class RayGroup(RayBaseGroup):
             ArgumentTypeError: ``x`` is on a GPU but not every rank has one.
 
         """
-        if tensor.is_buffer(x) and tensor.on_gpu(x):
+        if frameworks.is_buffer(x) and frameworks.on_gpu(x):
             if self._gpu is None:
                 raise ArgumentTypeError(
                     f"group {self.group_name!r} moves CPU buffers only, as not every rank "
@@ -141,20 +142,20 @@ class RayGroup(RayBaseGroup):
         options = allreduce_options
         name, op, timeout = self.group_for(tensors[0]), _op(options), _timeout(options)
         if len(tensors) == 1:
-            api.allreduce(tensors[0], name, op, timeout=timeout)
+            collectives.allreduce(tensors[0], name, op, timeout=timeout)
         else:
             multigpu.allreduce_multigpu(tensors, name, op, timeout=timeout)
 
     def barrier(self, barrier_options: Any = None) -> None:
         """Block until every rank has entered the barrier."""
-        api.barrier(self._cpu, timeout=_timeout(barrier_options))
+        collectives.barrier(self._cpu, timeout=_timeout(barrier_options))
 
     def reduce(self, tensors: list[Any], reduce_options: Any = None) -> None:
         """Reduce onto ``root_rank``; only the root's buffer is written."""
         options = reduce_options
         name, op, timeout = self.group_for(tensors[0]), _op(options), _timeout(options)
         if len(tensors) == 1:
-            api.reduce(tensors[0], options.root_rank, name, op, timeout=timeout)
+            collectives.reduce(tensors[0], options.root_rank, name, op, timeout=timeout)
         else:
             multigpu.reduce_multigpu(
                 tensors, options.root_rank, options.root_tensor, name, op, timeout=timeout
@@ -165,7 +166,7 @@ class RayGroup(RayBaseGroup):
         options = broadcast_options
         name, timeout = self.group_for(tensors[0]), _timeout(options)
         if len(tensors) == 1:
-            api.broadcast(tensors[0], options.root_rank, name, timeout=timeout)
+            collectives.broadcast(tensors[0], options.root_rank, name, timeout=timeout)
         else:
             multigpu.broadcast_multigpu(
                 tensors, options.root_rank, options.root_tensor, name, timeout=timeout
@@ -177,7 +178,7 @@ class RayGroup(RayBaseGroup):
         """Gather every rank's tensor into each rank's list, in place."""
         name, timeout = self.group_for(tensors[0]), _timeout(allgather_options)
         if len(tensors) == 1:
-            api.allgather(tensor_lists[0], tensors[0], name, timeout=timeout)
+            collectives.allgather(tensor_lists[0], tensors[0], name, timeout=timeout)
         else:
             multigpu.allgather_multigpu(tensor_lists, tensors, name, timeout=timeout)
 
@@ -188,7 +189,7 @@ class RayGroup(RayBaseGroup):
         options = reducescatter_options
         name, op, timeout = self.group_for(tensors[0]), _op(options), _timeout(options)
         if len(tensors) == 1:
-            api.reducescatter(tensors[0], tensor_lists[0], name, op, timeout=timeout)
+            collectives.reducescatter(tensors[0], tensor_lists[0], name, op, timeout=timeout)
         else:
             multigpu.reducescatter_multigpu(tensors, tensor_lists, name, op, timeout=timeout)
 
@@ -197,7 +198,7 @@ class RayGroup(RayBaseGroup):
         options, x = send_options, tensors[0]
         name, timeout = self.group_for(x), _timeout(options)
         if name == self._cpu:
-            api.send(x, options.dst_rank, name, timeout=timeout)
+            collectives.send(x, options.dst_rank, name, timeout=timeout)
         else:
             multigpu.send_multigpu(
                 x, options.dst_rank, options.dst_gpu_index, name, options.n_elements,
@@ -209,7 +210,7 @@ class RayGroup(RayBaseGroup):
         options, x = recv_options, tensors[0]
         name, timeout = self.group_for(x), _timeout(options)
         if name == self._cpu:
-            api.recv(x, options.src_rank, name, timeout=timeout)
+            collectives.recv(x, options.src_rank, name, timeout=timeout)
         else:
             multigpu.recv_multigpu(
                 x, options.src_rank, options.src_gpu_index, name, options.n_elements,

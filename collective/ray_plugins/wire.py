@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from collective import api
-from collective.tensor.packing import Staging, as_bytes
+from collective.frameworks.packing import Staging, as_bytes
+from collective.ops import collectives
 from collective.types import CollectiveError
 
 DIRECT_BYTES = 1 << 20
@@ -97,15 +97,15 @@ def send(
     metadata receives them.
     """
     metas = [(t.shape, t.dtype) for t in tensors]
-    api.send(header(obj_id, metas), dst_rank, control, timeout=timeout)
+    collectives.send(header(obj_id, metas), dst_rank, control, timeout=timeout)
     for message in layout(metas):
         if message.direct is not None:
             x = tensors[message.direct].contiguous()
-            api.send(as_bytes(x), dst_rank, group_name, timeout=timeout)
+            collectives.send(as_bytes(x), dst_rank, group_name, timeout=timeout)
             continue
         staging = Staging(tensors[0], message.nbytes)
         staging.pack([(offset, tensors[i]) for i, offset in message.packed])
-        api.send(staging.bytes(0, message.nbytes), dst_rank, group_name, timeout=timeout)
+        collectives.send(staging.bytes(0, message.nbytes), dst_rank, group_name, timeout=timeout)
 
 
 def recv(
@@ -133,7 +133,7 @@ def recv(
 
     where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
     got = np.zeros(3, dtype=np.int64)
-    api.recv(got, src_rank, control, timeout=timeout)
+    collectives.recv(got, src_rank, control, timeout=timeout)
     want = header(obj_id, metas)
     if not np.array_equal(got, want):
         raise CollectiveError(
@@ -144,10 +144,10 @@ def recv(
     out: list[Any] = [torch.empty(shape, dtype=dtype, device=where) for shape, dtype in metas]
     for message in layout(metas):
         if message.direct is not None:
-            api.recv(as_bytes(out[message.direct]), src_rank, group_name, timeout=timeout)
+            collectives.recv(as_bytes(out[message.direct]), src_rank, group_name, timeout=timeout)
             continue
         bucket = torch.empty(message.nbytes, dtype=torch.uint8, device=where)
-        api.recv(bucket, src_rank, group_name, timeout=timeout)
+        collectives.recv(bucket, src_rank, group_name, timeout=timeout)
         for i, offset in message.packed:
             shape, dtype = metas[i]
             n = nbytes_of(metas[i])

@@ -11,7 +11,7 @@ import contextlib
 import time
 from datetime import timedelta
 
-from collective.checked import CheckedGroup
+from collective.checks.check_args import CheckedGroup
 from collective.groups.base import BaseGroup, GroupConstructor, constructor
 from collective.registry import backends, ray_process
 from collective.rendezvous import membership

@@ -20,8 +20,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from collective import checks
-from collective.checked import CheckedGroup
+from collective.checks import arguments
+from collective.checks.check_args import CheckedGroup
 from collective.groups.base import BaseGroup, constructor
 from collective.registry import build, held, ray_process
 from collective.rendezvous import membership
@@ -69,7 +69,7 @@ def shrink_group(
     """
     group, store = _ray_group(group_name, "shrink_group")
     excluded = _check_exclude(exclude, group.world_size, group.rank)
-    wait = checks.check_timeout(timeout) or group.timeout
+    wait = arguments.check_timeout(timeout) or group.timeout
     return _reshape(group_name, group, store, "shrink", excluded, wait)
 
 
@@ -106,13 +106,13 @@ def grow_group(
     """
     if world_size is None:
         raise ArgumentTypeError("grow_group needs world_size, the group's new size, got None")
-    size = checks.check_world_size(world_size)
+    size = arguments.check_world_size(world_size)
     group, store = _ray_group(group_name, "grow_group")
     if size <= group.world_size:
         raise ArgumentValueError(
             f"world_size must be larger than the group's {group.world_size} ranks, got {size}"
         )
-    wait = checks.check_timeout(timeout) or group.timeout
+    wait = arguments.check_timeout(timeout) or group.timeout
     _reshape(group_name, group, store, "grow", size, wait)
 
 
@@ -173,7 +173,7 @@ def grow_declared_group(actors: list[Any], group_name: str = "default") -> list[
     ids = ray_process.actor_ids(actors, "actors")
     if not ids:
         raise ArgumentValueError("actors must name at least one new member, got []")
-    declaration = membership.declaration(checks.check_group_name(group_name))
+    declaration = membership.declaration(arguments.check_group_name(group_name))
     members = set(declaration.ranks) if declaration is not None else set()
     already = [i for i, actor in enumerate(ids) if actor in members]
     if already:
@@ -198,7 +198,7 @@ def _check_exclude(exclude: Any, world_size: int, rank: int) -> list[int]:
         return []
     if not isinstance(exclude, (list, tuple, set, frozenset)):
         raise ArgumentTypeError(f"exclude must be a list of ranks, got {type(exclude).__name__}")
-    ranks = [checks.check_int(r, "exclude") for r in exclude]
+    ranks = [arguments.check_int(r, "exclude") for r in exclude]
     outside = [r for r in ranks if not 0 <= r < world_size]
     if outside:
         raise ArgumentValueError(
@@ -261,7 +261,7 @@ def _reshape(
 
 
 def _redeclare(group_name: str, drop: list[str], add: list[str]) -> dict[str, int]:
-    checks.check_group_name(group_name)
+    arguments.check_group_name(group_name)
     if ray_process.in_ray_worker():
         raise CollectiveError("declared groups are reshaped from the driver, not inside an actor")
     status, detail = membership.redeclare(group_name, drop, add)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from collective import checks
+from collective.checks import arguments
 from collective.groups.base import BaseGroup
 from collective.registry import ray_process
 from collective.registry.build import join_and_build
@@ -93,7 +93,7 @@ def _build_declared(group_name: str) -> tuple[BaseGroup, RayRendezvousStore] | N
 
 def held_group(group_name: str) -> BaseGroup | None:
     """Return this process's built group ``group_name``, or None; builds nothing."""
-    return _manager.get(checks.check_group_name(group_name))
+    return _manager.get(arguments.check_group_name(group_name))
 
 
 def held_names() -> list[str]:
@@ -118,7 +118,7 @@ def group_entry(group_name: str) -> tuple[BaseGroup, Any]:
         GroupNotFoundError: no such group exists for this process.
 
     """
-    checks.check_group_name(group_name)
+    arguments.check_group_name(group_name)
     entry = _manager.entry(group_name)
     if entry is not None:
         return entry

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from collective import checks
+from collective.checks import arguments
 from collective.registry import backends, held, ray_process
 from collective.registry.build import join_and_build
 from collective.rendezvous import membership
@@ -15,9 +15,9 @@ from collective.types import ArgumentValueError, Backend, CollectiveError, CpuTr
 
 
 def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
-    if checks.check_timeout(timeout) is not None:
+    if arguments.check_timeout(timeout) is not None:
         return timeout
-    return checks.check_milliseconds(gloo_timeout, "gloo_timeout")
+    return arguments.check_milliseconds(gloo_timeout, "gloo_timeout")
 
 
 def init_collective_group(
@@ -62,13 +62,13 @@ def init_collective_group(
         CollectiveTimeoutError: not every rank arrived in time.
 
     """
-    checks.check_group_name(group_name)
-    world_size = checks.check_world_size(world_size)
-    rank = checks.check_rank(rank, world_size)
+    arguments.check_group_name(group_name)
+    world_size = arguments.check_world_size(world_size)
+    rank = arguments.check_rank(rank, world_size)
     backend = backends.backend_name(backend)
     group_timeout = _resolve_timeout(gloo_timeout, timeout)
-    check_args = checks.check_bool(check_args, "check_args")
-    options = checks.check_group_options(strict_buffers, cpu_transport)
+    check_args = arguments.check_bool(check_args, "check_args")
+    options = arguments.check_group_options(strict_buffers, cpu_transport)
     backends.group_class(backend)
     ray_process.require_ray_worker("init_collective_group")
     held.create_group(
@@ -116,16 +116,16 @@ def declare_collective_group(
             being left by its members after ``timeout``, or the backend is unavailable.
 
     """
-    checks.check_group_name(group_name)
-    world_size = checks.check_world_size(world_size)
+    arguments.check_group_name(group_name)
+    world_size = arguments.check_world_size(world_size)
     ids = ray_process.actor_ids(actors, "actors")
     if not isinstance(ranks, (list, tuple)) or len(actors) != len(ranks):
         got = len(ranks) if isinstance(ranks, (list, tuple)) else type(ranks).__name__
         raise ArgumentValueError(f"ranks must hold one rank per actor ({len(actors)}), got {got}")
-    ranks = checks.check_permutation(ranks, world_size)
+    ranks = arguments.check_permutation(ranks, world_size)
     ray = ray_process.ray_module()
-    check_args = checks.check_bool(check_args, "check_args")
-    options = checks.check_group_options(strict_buffers, cpu_transport)
+    check_args = arguments.check_bool(check_args, "check_args")
+    options = arguments.check_group_options(strict_buffers, cpu_transport)
     if not ray.is_initialized():
         raise CollectiveError("declare_collective_group needs ray.init() first")
     backend = backends.backend_name(backend)
@@ -155,7 +155,7 @@ def destroy_collective_group(group_name: str = "default") -> None:
     hold the group (a declared member before its first op included), or for a
     group that does not exist.
     """
-    checks.check_group_name(group_name)
+    arguments.check_group_name(group_name)
     entry = held.forget(group_name)
     if entry is not None:
         group, store = entry

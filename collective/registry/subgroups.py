@@ -24,7 +24,7 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-from collective import checks
+from collective.checks import arguments
 from collective.groups.base import BaseGroup, constructor
 from collective.registry import held, ray_process
 from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
@@ -53,7 +53,7 @@ def check_subset(ranks: Any, world_size: int) -> list[int]:
         raise ArgumentTypeError(f"ranks must be a list of ints, got {type(ranks).__name__}")
     if not ranks:
         raise ArgumentValueError("ranks must name at least one rank, got []")
-    ranks = [checks.check_int(rank, f"ranks[{i}]") for i, rank in enumerate(ranks)]
+    ranks = [arguments.check_int(rank, f"ranks[{i}]") for i, rank in enumerate(ranks)]
     outside = [r for r in ranks if not 0 <= r < world_size]
     if outside or len(set(ranks)) != len(ranks):
         raise ArgumentValueError(
@@ -101,8 +101,8 @@ def new_group(
     me = parent_group.rank
     try:
         ranks = check_subset(ranks, parent_group.world_size)
-        name = checks.check_group_name(group_name) if group_name is not None else None
-        group_timeout = checks.check_timeout(timeout) or parent_group.timeout
+        name = arguments.check_group_name(group_name) if group_name is not None else None
+        group_timeout = arguments.check_timeout(timeout) or parent_group.timeout
     except (TypeError, ValueError) as exc:
         with contextlib.suppress(CollectiveError, TimeoutError):
             _publish(meeting, me, {"error": f"{type(exc).__name__}: {exc}"})

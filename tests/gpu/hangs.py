@@ -75,7 +75,7 @@ def checked_on_rank(context: RankContext) -> list[tuple[str, str]]:
     """
     import torch
 
-    from collective.checked import CheckedGroup
+    from collective.checks.check_args import CheckedGroup
     from collective.types import BarrierOptions, RecvOptions, SendOptions
 
     group = CheckedGroup(cases._GROUPS[0])

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
+from collective.frameworks import DTYPES
 from collective.groups import progress
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.connect import Member, Transports, connect
@@ -29,7 +30,6 @@ from collective.groups.shm.steps import MismatchError, Steps
 from collective.groups.shm.sync import AbortedError, PeerDiedError, StalledError, Waiter
 from collective.groups.watch import FailureWatch
 from collective.rendezvous.store import RendezvousStore
-from collective.tensor import DTYPES
 from collective.types import (
     DEFAULT_TIMEOUT,
     ArgumentError,

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from collective.frameworks import CpuBuffer, plain_flat
+from collective.frameworks.bytelist import ByteList
 from collective.groups.cpu.base import CpuGroupBase
 from collective.groups.cpu.plans import Flat, Hierarchy
 from collective.groups.gloo.group import GlooGroup
@@ -22,8 +24,6 @@ from collective.groups.gloo.work import buffer_list, commit_all, one_buffer
 from collective.groups.launches import Launch
 from collective.groups.shm.mail import Mail
 from collective.signature import dtype_code
-from collective.tensor import CpuBuffer, plain_flat
-from collective.tensor.bytelist import ByteList
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

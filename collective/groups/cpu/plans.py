@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from collective.frameworks import CpuBuffer, torch_view
 from collective.groups.gloo.agree import Call, on_buffer
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.solo import Solo
 from collective.groups.topology import Topology
-from collective.tensor import CpuBuffer, torch_view
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from collective import signature
+from collective.frameworks import CpuBuffer
 from collective.signature import Call
-from collective.tensor import CpuBuffer
 from collective.types import ArgumentValueError, ReduceOp
 
 UNSET = signature.UNSET

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from collective.frameworks import DTYPES
 from collective.groups.base import BaseGroup
 from collective.groups.gloo.agree import Call, Carried, Records, disagreement, unpaired
 from collective.groups.gloo.reducescatter import Scratch
@@ -31,7 +32,6 @@ from collective.groups.lanes import Lane, Task
 from collective.groups.progress import answer_wait
 from collective.groups.watch import FailureWatch
 from collective.rendezvous.store import RendezvousStore, meet
-from collective.tensor import DTYPES
 from collective.types import (
     DEFAULT_TIMEOUT,
     Backend,

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from collective.frameworks import CpuBuffer, overlaps
 from collective.groups.gloo.agree import (
     HEADER_WIDTH,
     Call,
@@ -35,7 +36,6 @@ from collective.groups.gloo.work import (
     int64_tensor,
     nothing,
 )
-from collective.tensor import CpuBuffer, overlaps
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,

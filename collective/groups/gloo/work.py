@@ -10,8 +10,8 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, Protocol
 
+from collective.frameworks import CpuBuffer
 from collective.rendezvous.store import RendezvousStore
-from collective.tensor import CpuBuffer
 from collective.types import DEFAULT_TIMEOUT, ArgumentValueError, CollectiveError, ReduceOp
 from collective.work import OnceWork
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from collective.frameworks import NCCL_DTYPES, CudaBuffer
 from collective.groups.base import BaseGroup
 from collective.groups.nccl import mismatch
 from collective.groups.nccl.comm import (
@@ -48,7 +49,6 @@ from collective.groups.nccl.cuda import STREAMS, wait_events
 from collective.groups.nccl.launch import Launch, Plan, Signed
 from collective.groups.nccl.watchdog import Watch
 from collective.rendezvous.store import RendezvousStore, meet
-from collective.tensor import NCCL_DTYPES, CudaBuffer
 from collective.types import (
     DEFAULT_TIMEOUT,
     Backend,

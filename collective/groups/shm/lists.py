@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from collective.frameworks.bytelist import ByteList, address
 from collective.groups.shm.steps import Steps
-from collective.tensor.bytelist import ByteList, address
 
 _memmove = ctypes.memmove
 

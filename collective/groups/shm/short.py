@@ -10,7 +10,7 @@ so a rank on this path and a rank on the general one meet in the same op. It
 reduces with the ufuncs of ``Reducer`` in the general path's order, so every rank
 gets the general path's bits.
 
-It takes a flat view of a plain buffer (see ``tensor.plain_flat``) of a dtype and
+It takes a flat view of a plain buffer (see ``frameworks.plain_flat``) of a dtype and
 a reduction the group accepts; ``plan`` says None for anything else. The CPU group
 makes a call's plan once, when it builds the call's launch (see ``calls``), after
 the call's checks; the launch then runs the op with it.
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from collective.frameworks import plain_dtype
 from collective.groups.shm.kernels import UFUNCS
 from collective.groups.shm.steps import Steps
-from collective.tensor import plain_dtype
 from collective.types import ReduceOp
 
 SHORT_BYTES = 64 << 10

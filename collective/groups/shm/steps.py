@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from collective import signature
+from collective.frameworks.dtypes import ITEMSIZE, NAMES
 from collective.groups.shm.arena import (
     CONSUMED,
     HDR_BYTES,
@@ -31,7 +32,6 @@ from collective.groups.shm.arena import (
     Arena,
 )
 from collective.groups.shm.sync import Counter, Waiter
-from collective.tensor.dtypes import ITEMSIZE, NAMES
 from collective.types import ReduceOp
 
 _WHOLE = signature.PACKED_FREE_BIT

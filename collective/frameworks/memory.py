@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from collective import objectstore
-from collective.tensor.kinds import is_torch
+from collective.frameworks import objectstore
+from collective.frameworks.kinds import is_torch
 
 
 def layout_of(x: Any) -> tuple[int, int, list[tuple[int, int]]]:

@@ -4,8 +4,8 @@
 lie, ``cpu`` wraps CPU buffers for the CPU backend and ``cuda`` GPU buffers for NCCL.
 """
 
-from collective.tensor.cpu import CpuBuffer, cpu_key, plain_flat, torch_view
-from collective.tensor.cuda import (
+from collective.frameworks.cpu import CpuBuffer, cpu_key, plain_flat, torch_view
+from collective.frameworks.cuda import (
     CUPY_INSTALL_HINT,
     NCCL_DTYPES,
     CudaBuffer,
@@ -16,7 +16,7 @@ from collective.tensor.cuda import (
     record_stream,
     synchronize_device,
 )
-from collective.tensor.kinds import (
+from collective.frameworks.kinds import (
     DTYPES,
     TensorSpec,
     array_bytes,
@@ -31,7 +31,7 @@ from collective.tensor.kinds import (
     spec,
     split_rows,
 )
-from collective.tensor.memory import (
+from collective.frameworks.memory import (
     GRAD_LEAF,
     OVERLAPPING,
     PARTIAL,
@@ -47,7 +47,7 @@ from collective.tensor.memory import (
     start_address,
     write_hazards,
 )
-from collective.tensor.packing import (
+from collective.frameworks.packing import (
     ITEMSIZE,
     Batch,
     Staging,
@@ -59,7 +59,7 @@ from collective.tensor.packing import (
     to_host,
     writable,
 )
-from collective.tensor.streams import caller_stream, mark, on_gpu, using_stream
+from collective.frameworks.streams import caller_stream, mark, on_gpu, using_stream
 
 __all__ = [
     "CUPY_INSTALL_HINT",

@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from collective.tensor.cuda import current_stream
-from collective.tensor.kinds import is_cupy, is_torch
+from collective.frameworks.cuda import current_stream
+from collective.frameworks.kinds import is_cupy, is_torch
 
 
 def on_gpu(x: Any) -> bool:

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from collective.tensor.cpu import _writable
-from collective.tensor.dtypes import ITEMSIZE
-from collective.tensor.kinds import is_contiguous, is_cupy, is_torch
+from collective.frameworks.cpu import _writable
+from collective.frameworks.dtypes import ITEMSIZE
+from collective.frameworks.kinds import is_contiguous, is_cupy, is_torch
 
 Item = tuple[int, Any]
 """A buffer and the byte offset of its elements in a staging buffer."""

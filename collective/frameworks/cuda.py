@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from collective._version import DISTRIBUTION
-from collective.tensor.kinds import is_cupy, is_torch, spec
+from collective.frameworks.kinds import is_cupy, is_torch, spec
 from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError
 
 CUPY_INSTALL_HINT = (

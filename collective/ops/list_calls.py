@@ -1,7 +1,7 @@
 """The call path of the ops on lists of buffers: make the key, look it up, launch.
 
 It is ``calls``' path for allgather, reducescatter and barrier, and for the ops of
-``exchange`` (gather, scatter, alltoall, alltoall_single) and ``multigpu``: the first call of
+``gather_scatter`` (gather, scatter, alltoall, alltoall_single) and ``multigpu``: the first call of
 a key runs every local check once, inside ``checking`` (so a ``check_args``
 group raises one rank's argument error on every rank), and builds a launch that
 the group keeps (``groups.launches``); a later call of the same key is a dict
@@ -22,12 +22,13 @@ from collections.abc import Callable, Hashable
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, tensor
-from collective.calls import REDUCE_OP_VALUES
-from collective.checks import checking
+from collective import frameworks
+from collective.checks import arguments
+from collective.checks.arguments import checking
+from collective.checks.written import check_written, same_as_output
 from collective.groups.base import BaseGroup
 from collective.groups.launches import Launch
-from collective.outputs import check_written, same_as_output
+from collective.ops.calls import REDUCE_OP_VALUES
 from collective.types import (
     AllGatherOptions,
     BarrierOptions,
@@ -58,7 +59,7 @@ def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     k = group.key_of(x)
     if k is None:
         return None
-    return ("buffer", k, tensor.start_address(x))
+    return ("buffer", k, frameworks.start_address(x))
 
 
 def extra_key(value: Any) -> Hashable:
@@ -146,8 +147,8 @@ def views(xs: Any, count: int, shape: tuple[int, ...]) -> Callable[[Any], list[A
     """
     if xs is None:
         return lambda xs: []
-    if tensor.is_buffer(xs):
-        return lambda xs: tensor.chunks(xs, count, shape)
+    if frameworks.is_buffer(xs):
+        return lambda xs: frameworks.chunks(xs, count, shape)
     return list
 
 
@@ -156,10 +157,10 @@ def build_allgather(
 ) -> Launch:
     """Check an allgather and return its launch; see ``api.allgather``."""
     with checking(group, "allgather"):
-        spec = checks.check_tensor(group, x, "tensor")
+        spec = arguments.check_tensor(group, x, "tensor")
         n = group.world_size
-        outputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, n, disjoint=True)
-        options = AllGatherOptions(*checks.check_call(timeout, async_op))
+        outputs = arguments.check_outputs(group, tensor_list, "tensor_list", spec, n, disjoint=True)
+        options = AllGatherOptions(*arguments.check_call(timeout, async_op))
         check_written(group, [(f"tensor_list[{i}]", t) for i, t in enumerate(outputs)])
     as_list, run, is_async = views(tensor_list, n, spec.shape), group.allgather, options.async_op
 
@@ -177,11 +178,11 @@ def build_reducescatter(
     An input that is the output itself is read from a copy of it taken on each call.
     """
     with checking(group, "reducescatter"):
-        spec = checks.check_tensor(group, x, "tensor")
+        spec = arguments.check_tensor(group, x, "tensor")
         n = group.world_size
-        inputs = checks.check_outputs(group, tensor_list, "tensor_list", spec, n)
-        reduce_op = checks.check_reduce_op(group, reduce_op, spec)
-        options = ReduceScatterOptions(reduce_op, *checks.check_call(timeout, async_op))
+        inputs = arguments.check_outputs(group, tensor_list, "tensor_list", spec, n)
+        reduce_op = arguments.check_reduce_op(group, reduce_op, spec)
+        options = ReduceScatterOptions(reduce_op, *arguments.check_call(timeout, async_op))
         check_written(group, [("tensor", x)])
         same = same_as_output(x, inputs, "tensor", "tensor_list")
     as_list, run, is_async = (
@@ -193,7 +194,7 @@ def build_reducescatter(
     def launch(args: tuple[Any, Any]) -> Work | None:
         output, inputs = args[0], as_list(args[1])
         if same:
-            copy = tensor.copy_of(output)
+            copy = frameworks.copy_of(output)
             for i in same:
                 inputs[i] = copy
         return issued(run([output], [inputs], options), is_async)
@@ -204,6 +205,6 @@ def build_reducescatter(
 def build_barrier(group: BaseGroup, timeout: Any, async_op: Any) -> Launch:
     """Check a barrier and return its launch; see ``api.barrier``."""
     with checking(group, "barrier"):
-        options = BarrierOptions(*checks.check_call(timeout, async_op))
+        options = BarrierOptions(*arguments.check_call(timeout, async_op))
     run, is_async = group.barrier, options.async_op
     return lambda args: issued(run(options), is_async)

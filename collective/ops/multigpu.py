@@ -4,7 +4,7 @@ An actor of rank ``r`` that passes ``n`` tensors, one per GPU, holds NCCL ranks
 ``r * n + i``; every actor of the group must pass the same number of tensors. Each
 op writes its results into the caller's buffers in place and returns None, and
 takes a keyword-only ``timeout`` that overrides the group's for this call. Each
-takes the path of ``listcalls``: a call is checked, and its launch built, on the
+takes the path of ``list_calls``: a call is checked, and its launch built, on the
 first call of its key only.
 """
 
@@ -13,12 +13,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from collective import checks, tensor
-from collective.checks import checking
+from collective import frameworks
+from collective.checks import arguments
+from collective.checks.arguments import checking
+from collective.checks.written import check_written
 from collective.groups.base import BaseGroup
 from collective.groups.launches import Launch
-from collective.listcalls import call
-from collective.outputs import check_written
+from collective.ops.list_calls import call
 from collective.registry.held import get_group_handle
 from collective.types import (
     AllGatherOptions,
@@ -37,7 +38,7 @@ from collective.work import Work
 
 def _gpu_group(group_name: str, function: str) -> BaseGroup:
     group = get_group_handle(group_name)
-    checks.check_multigpu_group(group, function)
+    arguments.check_multigpu_group(group, function)
     return group
 
 
@@ -55,8 +56,8 @@ def allreduce_multigpu(
 
 def _build_allreduce(group: BaseGroup, tensor_list: Any, op: Any, timeout: Any, _: bool) -> Launch:
     with checking(group, "allreduce"):
-        tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
-        options = AllReduceOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
+        tensors = arguments.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+        options = AllReduceOptions(ReduceOp.parse(op), arguments.check_timeout(timeout))
         check_written(group, _named(tensors, "tensor_list"))
     run = group.allreduce
     return lambda args: _done(run(list(args[0]), options))
@@ -90,10 +91,10 @@ def _build_reduce(
     _: bool,
 ) -> Launch:
     with checking(group, "reduce"):
-        tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
-        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
-        dst_tensor = checks.check_index(dst_tensor, len(tensors), "dst_tensor")
-        timeout = checks.check_timeout(timeout)
+        tensors = arguments.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+        dst_rank = arguments.check_rank(dst_rank, group.world_size, "dst_rank")
+        dst_tensor = arguments.check_index(dst_tensor, len(tensors), "dst_tensor")
+        timeout = arguments.check_timeout(timeout)
         options = ReduceOptions(ReduceOp.parse(op), dst_rank, dst_tensor, timeout)
         if group.rank == dst_rank:
             check_written(group, [(f"tensor_list[{dst_tensor}]", tensors[dst_tensor])])
@@ -119,10 +120,10 @@ def _build_broadcast(
     group: BaseGroup, tensor_list: Any, src_rank: Any, src_tensor: Any, timeout: Any, _: bool
 ) -> Launch:
     with checking(group, "broadcast"):
-        tensors = checks.check_gpu_tensor_list(group, tensor_list, "tensor_list")
-        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
-        src_tensor = checks.check_index(src_tensor, len(tensors), "src_tensor")
-        options = BroadcastOptions(src_rank, src_tensor, checks.check_timeout(timeout))
+        tensors = arguments.check_gpu_tensor_list(group, tensor_list, "tensor_list")
+        src_rank = arguments.check_rank(src_rank, group.world_size, "src_rank")
+        src_tensor = arguments.check_index(src_tensor, len(tensors), "src_tensor")
+        options = BroadcastOptions(src_rank, src_tensor, arguments.check_timeout(timeout))
         written = _named(tensors, "tensor_list")
         if group.rank == src_rank:
             del written[src_tensor]
@@ -157,9 +158,9 @@ def _build_allgather(
     group: BaseGroup, output_tensor_lists: Any, input_tensor_list: Any, timeout: Any, _: bool
 ) -> Launch:
     with checking(group, "allgather"):
-        inputs = checks.check_gpu_tensor_list(group, input_tensor_list, "input_tensor_list")
+        inputs = arguments.check_gpu_tensor_list(group, input_tensor_list, "input_tensor_list")
         outputs = _tensor_lists(group, output_tensor_lists, "output_tensor_lists", len(inputs))
-        options = AllGatherOptions(checks.check_timeout(timeout))
+        options = AllGatherOptions(arguments.check_timeout(timeout))
         for i, xs in enumerate(outputs):
             check_written(group, _named(xs, f"output_tensor_lists[{i}]"))
     run = group.allgather
@@ -199,9 +200,9 @@ def _build_reducescatter(
     _: bool,
 ) -> Launch:
     with checking(group, "reducescatter"):
-        outputs = checks.check_gpu_tensor_list(group, output_tensor_list, "output_tensor_list")
+        outputs = arguments.check_gpu_tensor_list(group, output_tensor_list, "output_tensor_list")
         _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
-        options = ReduceScatterOptions(ReduceOp.parse(op), checks.check_timeout(timeout))
+        options = ReduceScatterOptions(ReduceOp.parse(op), arguments.check_timeout(timeout))
         check_written(group, _named(outputs, "output_tensor_list"))
     run = group.reducescatter
     return lambda args: _done(run(list(args[0]), [list(xs) for xs in args[1]], options))
@@ -231,12 +232,12 @@ def _build_send(
     timeout: Any,
     _: bool,
 ) -> Launch:
-    dst_rank = checks.check_peer(dst_rank, group, "dst_rank")
+    dst_rank = arguments.check_peer(dst_rank, group, "dst_rank")
     with checking(group, "send", dst_rank):
-        checks.check_tensor(group, tensor, "tensor")
-        dst_gpu_index = checks.check_non_negative(dst_gpu_index, "dst_gpu_index")
-        n_elements = checks.check_non_negative(n_elements, "n_elements")
-        timeout = checks.check_timeout(timeout)
+        arguments.check_tensor(group, tensor, "tensor")
+        dst_gpu_index = arguments.check_non_negative(dst_gpu_index, "dst_gpu_index")
+        n_elements = arguments.check_non_negative(n_elements, "n_elements")
+        timeout = arguments.check_timeout(timeout)
         options = SendOptions(dst_rank, dst_gpu_index, n_elements, timeout)
     run = group.send
     return lambda args: _done(run([args[0]], options))
@@ -266,12 +267,12 @@ def _build_recv(
     timeout: Any,
     _: bool,
 ) -> Launch:
-    src_rank = checks.check_peer(src_rank, group, "src_rank")
+    src_rank = arguments.check_peer(src_rank, group, "src_rank")
     with checking(group, "recv", src_rank):
-        checks.check_tensor(group, tensor, "tensor")
-        src_gpu_index = checks.check_non_negative(src_gpu_index, "src_gpu_index")
-        n_elements = checks.check_non_negative(n_elements, "n_elements")
-        timeout = checks.check_timeout(timeout)
+        arguments.check_tensor(group, tensor, "tensor")
+        src_gpu_index = arguments.check_non_negative(src_gpu_index, "src_gpu_index")
+        n_elements = arguments.check_non_negative(n_elements, "n_elements")
+        timeout = arguments.check_timeout(timeout)
         options = RecvOptions(src_rank, src_gpu_index, n_elements, timeout)
         check_written(group, [("tensor", tensor)])
     run = group.recv
@@ -280,7 +281,7 @@ def _build_recv(
 
 def synchronize(gpu_id: int) -> None:
     """Block until all work queued on GPU ``gpu_id`` of this process has finished."""
-    tensor.synchronize_device(checks.check_non_negative(gpu_id, "gpu_id"))
+    frameworks.synchronize_device(arguments.check_non_negative(gpu_id, "gpu_id"))
 
 
 def _tensor_lists(group: BaseGroup, xs: Any, name: str, length: int) -> list[list[Any]]:
@@ -291,7 +292,7 @@ def _tensor_lists(group: BaseGroup, xs: Any, name: str, length: int) -> list[lis
         )
     if len(xs) != length:
         raise ArgumentValueError(f"{name} must hold {length} lists (one per GPU), got {len(xs)}")
-    return [checks.check_gpu_tensor_list(group, x, f"{name}[{i}]") for i, x in enumerate(xs)]
+    return [arguments.check_gpu_tensor_list(group, x, f"{name}[{i}]") for i, x in enumerate(xs)]
 
 
 def _done(work: Work) -> None:

@@ -16,7 +16,7 @@ every time, and its launch is not kept.
 broadcast, send, recv): what each checks and which options it builds, written once
 for every backend. A backend builds their launches in ``BaseGroup.build``. The
 other ops (on lists of buffers, barrier, the exchange and ``*_multigpu`` ops) take
-the same path through ``listcalls``.
+the same path through ``list_calls``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective import checks
-from collective.checks import checking
+from collective.checks import arguments
+from collective.checks.arguments import checking
+from collective.checks.written import check_written
 from collective.groups.base import BaseGroup
-from collective.outputs import check_written
 from collective.types import (
     AllReduceOptions,
     BroadcastOptions,
@@ -167,14 +167,14 @@ def first_call(
     """
     peer = None
     if op.peer and op.root_name is not None:
-        root = peer = checks.check_peer(root, group, op.root_name)
+        root = peer = arguments.check_peer(root, group, op.root_name)
     with checking(group, op.name, peer):
-        spec = checks.check_tensor(group, x, "tensor")
+        spec = arguments.check_tensor(group, x, "tensor")
         if op.root_name is not None and not op.peer:
-            root = checks.check_rank(root, group.world_size, op.root_name)
+            root = arguments.check_rank(root, group.world_size, op.root_name)
         if op.reduces:
-            reduce_op = checks.check_reduce_op(group, reduce_op, spec)
-        options = op.options(reduce_op, root, *checks.check_call(timeout, async_op))
+            reduce_op = arguments.check_reduce_op(group, reduce_op, spec)
+        options = op.options(reduce_op, root, *arguments.check_call(timeout, async_op))
         check_written(group, [("tensor", x)] if op.written(group.rank, root) else [])
     launch, keep = group.build(op.name, x, options)
     result = launch(x)

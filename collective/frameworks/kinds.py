@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.tensor.dtypes import DTYPES
+from collective.frameworks.dtypes import DTYPES
 from collective.types import ArgumentTypeError
 
 

@@ -2,7 +2,7 @@
 
 Like every op, each looks up its group, checks its arguments before anything is
 sent, then calls the group; results land in the caller's buffers in place. Each
-takes the path of ``listcalls``: a call is checked, and its launch built, on the
+takes the path of ``list_calls``: a call is checked, and its launch built, on the
 first call of its key only.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from collective import checks
-from collective.checks import checking
+from collective.checks import arguments
+from collective.checks.arguments import checking
+from collective.checks.written import check_written
+from collective.frameworks import split_rows
 from collective.groups.base import BaseGroup
 from collective.groups.launches import Launch
-from collective.listcalls import call, views
-from collective.outputs import check_written
+from collective.ops.list_calls import call, views
 from collective.registry.held import get_group_handle
-from collective.tensor import split_rows
 from collective.types import (
     AllToAllOptions,
     ArgumentTypeError,
@@ -139,14 +139,14 @@ def _build_gather(
 ) -> Launch:
     """Check a gather and return its launch; see ``gather``."""
     with checking(group, "gather"):
-        spec = checks.check_tensor(group, x, "tensor")
-        dst_rank = checks.check_rank(dst_rank, group.world_size, "dst_rank")
-        outputs = checks.check_rooted_list(
+        spec = arguments.check_tensor(group, x, "tensor")
+        dst_rank = arguments.check_rank(dst_rank, group.world_size, "dst_rank")
+        outputs = arguments.check_rooted_list(
             group, gather_list, "gather_list", spec, dst_rank, "dst_rank"
         )
         named = [(f"gather_list[{i}]", t) for i, t in enumerate(outputs)]
-        checks.check_disjoint(named, [("tensor", x)])
-        options = GatherOptions(dst_rank, *checks.check_call(timeout, async_op))
+        arguments.check_disjoint(named, [("tensor", x)])
+        options = GatherOptions(dst_rank, *arguments.check_call(timeout, async_op))
         check_written(group, named)
     as_list, run = views(gather_list, group.world_size, spec.shape), group.gather
     is_async = options.async_op
@@ -158,15 +158,15 @@ def _build_scatter(
 ) -> Launch:
     """Check a scatter and return its launch; see ``scatter``."""
     with checking(group, "scatter"):
-        spec = checks.check_tensor(group, x, "tensor")
-        src_rank = checks.check_rank(src_rank, group.world_size, "src_rank")
-        inputs = checks.check_rooted_list(
+        spec = arguments.check_tensor(group, x, "tensor")
+        src_rank = arguments.check_rank(src_rank, group.world_size, "src_rank")
+        inputs = arguments.check_rooted_list(
             group, scatter_list, "scatter_list", spec, src_rank, "src_rank"
         )
-        checks.check_disjoint(
+        arguments.check_disjoint(
             [("tensor", x)], [(f"scatter_list[{i}]", t) for i, t in enumerate(inputs)]
         )
-        options = ScatterOptions(src_rank, *checks.check_call(timeout, async_op))
+        options = ScatterOptions(src_rank, *arguments.check_call(timeout, async_op))
         check_written(group, [("tensor", x)])
     as_list, run = views(scatter_list, group.world_size, spec.shape), group.scatter
     is_async = options.async_op
@@ -197,8 +197,8 @@ def _build_alltoall_single(
 ) -> Launch:
     """Check an alltoall_single and return its launch; see ``alltoall_single``."""
     with checking(group, "alltoall"):
-        in_spec = checks.check_tensor(group, input, "input")
-        out_spec = checks.check_tensor(group, output, "output")
+        in_spec = arguments.check_tensor(group, input, "input")
+        out_spec = arguments.check_tensor(group, output, "output")
         if (out_spec.dtype, out_spec.shape[1:]) != (in_spec.dtype, in_spec.shape[1:]) or not (
             in_spec.shape and out_spec.shape
         ):
@@ -207,10 +207,10 @@ def _build_alltoall_single(
                 f"got output {out_spec.describe()} and input {in_spec.describe()}"
             )
         n = group.world_size
-        out_sizes = checks.check_split_sizes(
+        out_sizes = arguments.check_split_sizes(
             output_split_sizes, out_spec.shape[0], n, "output_split_sizes"
         )
-        in_sizes = checks.check_split_sizes(
+        in_sizes = arguments.check_split_sizes(
             input_split_sizes, in_spec.shape[0], n, "input_split_sizes"
         )
         outputs, inputs = split_rows(output, out_sizes), split_rows(input, in_sizes)
@@ -236,7 +236,7 @@ def _same_dtype_list(
             f"{name} must hold {group.world_size} tensors (the world size), got {len(xs)}"
         )
     for i, x in enumerate(xs):
-        spec = checks.check_tensor(group, x, f"{name}[{i}]")
+        spec = arguments.check_tensor(group, x, f"{name}[{i}]")
         dtype = dtype or spec.dtype
         if spec.dtype != dtype:
             raise ArgumentValueError(f"{name}[{i}] has dtype {spec.dtype}, but must be {dtype}")
@@ -253,7 +253,7 @@ def _alltoall_options(
 ) -> AllToAllOptions:
     """Check what both alltoall forms share and return the options of the call."""
     named = [(f"{names[0]}[{i}]", t) for i, t in enumerate(outputs)]
-    checks.check_disjoint(named, [(f"{names[1]}[{i}]", t) for i, t in enumerate(inputs)])
-    options = AllToAllOptions(*checks.check_call(timeout, async_op))
+    arguments.check_disjoint(named, [(f"{names[1]}[{i}]", t) for i, t in enumerate(inputs)])
+    options = AllToAllOptions(*arguments.check_call(timeout, async_op))
     check_written(group, named)
     return options

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from collective.tensor.kinds import DTYPES, dtype_name
-from collective.tensor.memory import in_object_store, overlap_message, self_overlapping
+from collective.frameworks.kinds import DTYPES, dtype_name
+from collective.frameworks.memory import in_object_store, overlap_message, self_overlapping
 from collective.types import ArgumentValueError
 
 _PLAIN_TORCH_DTYPES: frozenset[Any] = frozenset()

@@ -1,7 +1,7 @@
 """The collective ops; each looks up its group, checks its arguments, then calls the group.
 
 Every op here takes the path of ``calls`` (allreduce, reduce, broadcast, send, recv) or of
-``listcalls`` (allgather, reducescatter, barrier): a call's arguments are checked, and its launch
+``list_calls`` (allgather, reducescatter, barrier): a call's arguments are checked, and its launch
 built, on the first call of its key only.
 
 Every op writes its result into the caller's buffers in place and returns None,
@@ -18,8 +18,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from collective import listcalls
-from collective.calls import ALLREDUCE, BROADCAST, RECV, REDUCE, SEND, call
+from collective.ops import list_calls
+from collective.ops.calls import ALLREDUCE, BROADCAST, RECV, REDUCE, SEND, call
 from collective.registry.held import get_group_handle
 from collective.types import ReduceOp
 from collective.work import Work
@@ -51,7 +51,7 @@ def barrier(
 ) -> Work | None:
     """Block until every rank of the group has called ``barrier``."""
     group = get_group_handle(group_name)
-    return listcalls.call(listcalls.build_barrier, group, "barrier", (), (), timeout, async_op)
+    return list_calls.call(list_calls.build_barrier, group, "barrier", (), (), timeout, async_op)
 
 
 def reduce(
@@ -108,8 +108,8 @@ def allgather(
     """
     args = (tensor_list, tensor)
     group = get_group_handle(group_name)
-    return listcalls.call(
-        listcalls.build_allgather, group, "allgather", args, (), timeout, async_op
+    return list_calls.call(
+        list_calls.build_allgather, group, "allgather", args, (), timeout, async_op
     )
 
 
@@ -139,8 +139,8 @@ def reducescatter(
     """
     args = (tensor, tensor_list)
     group = get_group_handle(group_name)
-    return listcalls.call(
-        listcalls.build_reducescatter, group, "reducescatter", args, (op,), timeout, async_op
+    return list_calls.call(
+        list_calls.build_reducescatter, group, "reducescatter", args, (op,), timeout, async_op
     )
 
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from collective import signature, tensor
+from collective import frameworks, signature
+from collective.frameworks import TensorSpec, array_bytes, byte_array, copy_of, int64_array, to_host
 from collective.groups.base import BaseGroup
-from collective.tensor import TensorSpec, array_bytes, byte_array, copy_of, int64_array, to_host
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -136,9 +136,9 @@ class CheckedGroup(BaseGroup):
         """
         if self._inner.device_type != "cuda":
             return None
-        if like is None or not tensor.is_buffer(like) or not tensor.on_gpu(like):
-            like = tensor.empty("uint8", (0,), "cuda")
-        return lambda array: tensor.to_device(array, like)
+        if like is None or not frameworks.is_buffer(like) or not frameworks.on_gpu(like):
+            like = frameworks.empty("uint8", (0,), "cuda")
+        return lambda array: frameworks.to_device(array, like)
 
     def _tensor_op(
         self,
