@@ -10,7 +10,7 @@ bare loop that calls the communicator directly (NCCL rows; Gloo: torch's
 ``sys.setprofile`` (the stand-ins' own frames left out).
 
 The torch-like buffer is a CPU tensor that says it lies on ``cuda:0``, and the
-caller's stream comes from a stand-in of ``frameworks.current_stream`` that does what
+caller's stream comes from a stand-in of ``cuda_buffers.current_stream`` that does what
 the real one does on a GPU (one kind check and one C call). ``--json PATH`` writes
 the rows: ``path``, ``us_per_call``, ``bare_us_per_call``, ``python_calls``.
 """
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import collective as col
-from collective import frameworks
+from collective.frameworks import cuda_buffers
 from collective.frameworks.kinds import is_torch
 from collective.groups.nccl import comm as nccl_comm
 from collective.groups.nccl.group import NCCLGroup
@@ -61,14 +61,14 @@ class TorchLike(torch.Tensor):
 
 
 def _stream_of(x: Any) -> int:
-    """Stand in for ``frameworks.current_stream`` on a GPU: one kind check, one C call."""
+    """Stand in for ``cuda_buffers.current_stream`` on a GPU: one kind check, one C call."""
     if is_torch(x):
         return abs(x.get_device())
     return abs(x.device.id)
 
 
 def _record_stream(x: Any, stream: int) -> None:
-    """Stand in for ``frameworks.record_stream``: a kind check; torch's own call is C."""
+    """Stand in for ``cuda_buffers.record_stream``: a kind check; torch's own call is C."""
     if is_torch(x):
         return
 
@@ -125,9 +125,9 @@ def _bare_cupy() -> Any:
 def nccl_group() -> Iterator[str]:
     """Yield the name of a world-size-1 NCCL group on do-nothing stand-ins."""
     cupy = _bare_cupy()
-    saved = (nccl_comm._probe, frameworks.current_stream, frameworks.record_stream)
+    saved = (nccl_comm._probe, cuda_buffers.current_stream, cuda_buffers.record_stream)
     nccl_comm._probe = lambda: (cupy, "")  # type: ignore[assignment]
-    frameworks.current_stream, frameworks.record_stream = _stream_of, _record_stream
+    cuda_buffers.current_stream, cuda_buffers.record_stream = _stream_of, _record_stream
     nccl_comm._takes_bytes.cache_clear()
     store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30)))
     name = f"host-path-{uuid.uuid4().hex[:8]}"
@@ -137,7 +137,7 @@ def nccl_group() -> Iterator[str]:
         yield name
     finally:
         col.destroy_collective_group(name)
-        nccl_comm._probe, frameworks.current_stream, frameworks.record_stream = saved
+        nccl_comm._probe, cuda_buffers.current_stream, cuda_buffers.record_stream = saved
 
 
 def per_call_us(fn: Callable[[], Any], iters: int) -> float:

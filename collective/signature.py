@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collective.frameworks import spec
 from collective.frameworks.dtypes import CODES, ITEMSIZE, NAMES
+from collective.frameworks.kinds import spec
 from collective.types import ArgumentError, ArgumentTypeError, ArgumentValueError, ReduceOp
 
 OPS = (

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import pytest
 import torch.distributed as dist
 
-from collective import frameworks
+from collective.frameworks import cuda_buffers
 from collective.groups.nccl import comm as nccl_comm
 from collective.groups.nccl.group import NCCLGroup
 from collective.rendezvous.store import TCPRendezvousStore
@@ -125,7 +125,7 @@ def contract_ranks(
     ``ContractCupy``s, to share their streams); all are destroyed at the end.
     """
     monkeypatch.setattr(nccl_comm, "_probe", _probe)
-    monkeypatch.setattr(frameworks, "current_stream", lambda x: caller_stream(x.device.id))
+    monkeypatch.setattr(cuda_buffers, "current_stream", lambda x: caller_stream(x.device.id))
     made: list[Ranks] = []
 
     def make(

@@ -21,7 +21,7 @@ import torch
 
 from collective.bulk import calls, pipeline
 from collective.checks.check_args import CheckedGroup
-from collective.frameworks import ITEMSIZE, Staging
+from collective.frameworks.packing import ITEMSIZE, Staging
 from collective.groups.base import BaseGroup
 from collective.types import (
     AllReduceOptions,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from collective.bulk import calls
-from collective.frameworks import Staging
 from collective.frameworks.bytelist import ByteList, address, byte_runs
+from collective.frameworks.packing import Staging
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.group import CpuGroup
 from tests.test_gloo_group import run_ranks

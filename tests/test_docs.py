@@ -18,7 +18,7 @@ import torch
 
 import collective
 import collective.types
-from collective import frameworks
+from collective.frameworks import kinds
 from collective.groups.base import BaseGroup
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.nccl.group import NCCLGroup
@@ -302,18 +302,18 @@ def test_ops_table_matches_the_backend_classes() -> None:
 
 def test_dtypes_table_matches_what_the_checks_accept() -> None:
     header, rows = support_matrix.dtypes_table()
-    assert [row[0] for row in rows] == sorted(frameworks.DTYPES)
+    assert [row[0] for row in rows] == sorted(kinds.DTYPES)
     columns = {title: i for i, title in enumerate(header)}
     gloo, nccl = bare(GlooGroup), bare(NCCLGroup)
     for row in rows:
         dtype = row[0]
         torch_dtype = getattr(torch, dtype)
-        numpy_ok = accepted(lambda d=dtype: frameworks.spec(np.zeros(1, dtype=d), "x"))
-        cpu = frameworks.spec(torch.zeros(1, dtype=torch_dtype), "x")
-        cuda = frameworks.TensorSpec("torch", (1,), dtype, "cuda:0")
+        numpy_ok = accepted(lambda d=dtype: kinds.spec(np.zeros(1, dtype=d), "x"))
+        cpu = kinds.spec(torch.zeros(1, dtype=torch_dtype), "x")
+        cuda = kinds.TensorSpec("torch", (1,), dtype, "cuda:0")
         expected = {
             "gloo (numpy.ndarray on cpu)": numpy_ok
-            and accepted(gloo.check_tensor, frameworks.spec(np.zeros(1, dtype=dtype), "x"), "x"),
+            and accepted(gloo.check_tensor, kinds.spec(np.zeros(1, dtype=dtype), "x"), "x"),
             "gloo (torch.Tensor on cpu)": accepted(gloo.check_tensor, cpu, "x"),
             "nccl (torch.Tensor on cuda)": accepted(nccl.check_tensor, cuda, "x"),
             "nccl (cupy.ndarray on cuda)": numpy_ok and accepted(nccl.check_tensor, cuda, "x"),
@@ -322,8 +322,8 @@ def test_dtypes_table_matches_what_the_checks_accept() -> None:
         for title, ok in expected.items():
             cell = row[columns[title]]
             assert cell == (support_matrix.YES if ok else support_matrix.NO), (dtype, title)
-    on_cuda = frameworks.TensorSpec("torch", (1,), "float32", "cuda:0")
-    assert accepted(gloo.check_tensor, frameworks.spec(torch.zeros(1), "x"), "x")
+    on_cuda = kinds.TensorSpec("torch", (1,), "float32", "cuda:0")
+    assert accepted(gloo.check_tensor, kinds.spec(torch.zeros(1), "x"), "x")
     assert not accepted(gloo.check_tensor, on_cuda, "x")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import collective as col
-from collective import frameworks
+from collective.frameworks import cuda_buffers
 from collective.groups.nccl import launch as nccl_launch
 from collective.ops import calls
 from collective.registry import held
@@ -53,13 +53,13 @@ def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
 def described(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Count every buffer description the backend makes."""
     seen: list[Any] = []
-    real = frameworks.cuda_buffer
+    real = cuda_buffers.cuda_buffer
 
     def counting(x: Any, name: str) -> Any:
         seen.append(x)
         return real(x, name)
 
-    monkeypatch.setattr(frameworks, "cuda_buffer", counting)
+    monkeypatch.setattr(cuda_buffers, "cuda_buffer", counting)
     return seen
 
 
@@ -141,7 +141,7 @@ def test_another_buffer_stream_or_option_builds_its_own_launch(
     r.run(lambda _, g: g.allreduce([y], AllReduceOptions()))
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions(ReduceOp.MAX)))
     r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=0)))
-    monkeypatch.setattr(frameworks, "current_stream", lambda x: 0xBEEF)
+    monkeypatch.setattr(cuda_buffers, "current_stream", lambda x: 0xBEEF)
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
     entries = without_checks(r.cupys[0].trace.entries)
     calls = [(e.name, e.args) for e in entries if e.name in ("allReduce", "broadcast")]

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 import collective as col
-from collective import frameworks
-from collective.frameworks import NCCL_DTYPES, TensorSpec
+from collective.frameworks import cuda_buffers, kinds
+from collective.frameworks.cuda_buffers import NCCL_DTYPES
+from collective.frameworks.kinds import TensorSpec
 from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
     UNIQUE_ID_BYTES,
@@ -106,30 +107,30 @@ def test_cuda_buffer_describes_a_gpu_array(dtype: str) -> None:
     fake = FakeCupyArray(host, device=3)
     if dtype == "bfloat16":
         fake.dtype = SimpleNamespace(name="bfloat16", itemsize=2)
-    buf = frameworks.cuda_buffer(fake, "tensor")
+    buf = cuda_buffers.cuda_buffer(fake, "tensor")
     assert buf.ptr == host.__array_interface__["data"][0]
     assert (buf.count, buf.dtype, buf.device) == (15, dtype, 3)
     assert buf.nccl_dtype == NCCL_H_DTYPES[dtype]
     assert buf.nbytes == 15 * fake.dtype.itemsize
-    assert frameworks.spec(fake, "tensor").device == "cuda:3"
+    assert kinds.spec(fake, "tensor").device == "cuda:3"
 
 
 def test_cuda_buffer_rejects_a_non_contiguous_gpu_array() -> None:
     fake = FakeCupyArray(np.zeros((4, 6), dtype=np.float32)[:, ::2])
     with pytest.raises(ValueError, match="tensor must be contiguous"):
-        frameworks.cuda_buffer(fake, "tensor")
+        cuda_buffers.cuda_buffer(fake, "tensor")
 
 
 @pytest.mark.parametrize("dtype", ["bool", "uint32", "complex64"])
 def test_cuda_buffer_rejects_dtypes_nccl_does_not_move(dtype: str) -> None:
     with pytest.raises(TypeError, match=f"tensor has dtype {dtype}"):
-        frameworks.cuda_buffer(FakeCupyArray(np.zeros(4, dtype=dtype)), "tensor")
+        cuda_buffers.cuda_buffer(FakeCupyArray(np.zeros(4, dtype=dtype)), "tensor")
 
 
 @pytest.mark.parametrize("make", [np.ones, torch.ones], ids=["numpy", "torch"])
 def test_cuda_buffer_rejects_a_cpu_tensor(make: Any) -> None:
     with pytest.raises(TypeError, match=r"x must be a cupy array or a CUDA torch tensor.*cpu"):
-        frameworks.cuda_buffer(make(4), "x")
+        cuda_buffers.cuda_buffer(make(4), "x")
 
 
 def _bare_group(cls: type) -> Any:
@@ -140,8 +141,8 @@ def _bare_group(cls: type) -> Any:
 def test_nccl_group_rejects_a_cpu_tensor_with_type_error() -> None:
     group = _bare_group(NCCLGroup)
     with pytest.raises(TypeError, match=r"tensor must be a cuda tensor for a nccl group.*cpu"):
-        group.check_tensor(frameworks.spec(np.ones(4, dtype=np.float32), "tensor"), "tensor")
-    group.check_tensor(frameworks.spec(FakeCupyArray(np.ones(4, np.float32)), "tensor"), "tensor")
+        group.check_tensor(kinds.spec(np.ones(4, dtype=np.float32), "tensor"), "tensor")
+    group.check_tensor(kinds.spec(FakeCupyArray(np.ones(4, np.float32)), "tensor"), "tensor")
 
 
 def test_gloo_group_rejects_a_gpu_tensor_with_type_error() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from collective.bulk import calls
-from collective.frameworks import Batch, Staging
+from collective.frameworks.packing import Batch, Staging
 from collective.groups.base import BaseGroup
 from collective.types import ReduceOp
 from tests.test_shm import run_cpu

@@ -18,8 +18,10 @@ import torch
 
 import collective
 from collective import signature
-from collective.frameworks import DTYPES, ITEMSIZE, NCCL_DTYPES, spec
 from collective.frameworks import dtypes as table
+from collective.frameworks.cuda_buffers import NCCL_DTYPES
+from collective.frameworks.kinds import DTYPES, spec
+from collective.frameworks.packing import ITEMSIZE
 from collective.groups.cpu.group import CpuGroup
 from collective.groups.gloo.agree import WIDTH, Records, disagreement
 from collective.groups.nccl import mismatch

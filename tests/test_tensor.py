@@ -11,26 +11,21 @@ import numpy as np
 import pytest
 import torch
 
-from collective.frameworks import (
-    DTYPES,
+from collective.frameworks import memory as tensor_memory
+from collective.frameworks import objectstore
+from collective.frameworks.cpu_buffers import CpuBuffer, plain_flat
+from collective.frameworks.kinds import DTYPES, TensorSpec, copy_of, plain_dtype, spec
+from collective.frameworks.memory import (
     GRAD_LEAF,
     OVERLAPPING,
     PARTIAL,
     READ_ONLY,
     SAME,
-    CpuBuffer,
-    TensorSpec,
     aliasing,
-    copy_of,
     memory_span,
-    objectstore,
     overlaps,
-    plain_dtype,
-    plain_flat,
-    spec,
     write_hazards,
 )
-from collective.frameworks import memory as tensor_memory
 from collective.types import ArgumentTypeError
 
 

@@ -27,7 +27,8 @@ from typing import Any
 from collective import signature
 from collective.bulk.meta import Listing, differences
 from collective.checks import check_args
-from collective.frameworks import array_bytes, byte_array, to_host
+from collective.frameworks.kinds import array_bytes, byte_array
+from collective.frameworks.packing import to_host
 from collective.groups.base import BaseGroup
 from collective.types import (
     ArgumentError,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective import frameworks, signature
+from collective import signature
 from collective.bulk import local, repeat
 from collective.bulk.agree import Agreement, Claim, agree
 from collective.bulk.pipeline import Moves, start
@@ -22,6 +22,7 @@ from collective.bulk.plan import plan
 from collective.bulk.turns import AGREEMENT_OPS, held
 from collective.checks import arguments
 from collective.checks.check_args import CheckedGroup
+from collective.frameworks import cuda_buffers, kinds, packing, streams
 from collective.groups.base import BaseGroup
 from collective.types import ArgumentValueError, ReduceOp
 from collective.work import Work
@@ -196,7 +197,7 @@ def broadcast_state_dict(
             source = agreement.source_order
             names = source.names or ()
             result = entries = {
-                name: frameworks.empty(dtype, shape, group.device_type)
+                name: packing.empty(dtype, shape, group.device_type)
                 for name, dtype, shape in zip(names, source.dtypes, source.shapes, strict=True)
             }
             values = list(entries.values())
@@ -233,23 +234,23 @@ def _unwrapped(group: BaseGroup) -> BaseGroup:
 def _like(group: BaseGroup, xs: list[Any]) -> Any:
     """Return a buffer next to which staging and control messages go: ``xs[0]`` if it fits."""
     on_gpu = group.device_type == "cuda"
-    if xs and frameworks.is_buffer(xs[0]) and frameworks.on_gpu(xs[0]) == on_gpu:
+    if xs and kinds.is_buffer(xs[0]) and streams.on_gpu(xs[0]) == on_gpu:
         return xs[0]
-    return frameworks.empty("uint8", (0,), "cuda") if on_gpu else None
+    return packing.empty("uint8", (0,), "cuda") if on_gpu else None
 
 
 def _capturing(like: Any) -> bool:
     """Return whether the caller's stream on ``like`` (a GPU buffer, or None) captures a graph."""
-    return like is not None and frameworks.on_gpu(like) and frameworks.capturing(like)
+    return like is not None and streams.on_gpu(like) and cuda_buffers.capturing(like)
 
 
 def _on_device(like: Any) -> Callable[[Any], Any]:
-    return lambda array: frameworks.to_device(array, like)
+    return lambda array: packing.to_device(array, like)
 
 
 def _writable(xs: list[Any]) -> list[Any]:
-    """Return views of ``xs`` to write in place (``frameworks.writable``); checks have passed."""
-    return [frameworks.writable(x) for x in xs]
+    """Return views of ``xs`` to write in place (``packing.writable``); checks have passed."""
+    return [packing.writable(x) for x in xs]
 
 
 def _moves(
@@ -280,7 +281,7 @@ def _moves(
             return Moves(group, [], held, reads, writes, like, timeout, root, whole=mine.runs)
         xs = ordered()
         whole = [
-            x if x is not None else frameworks.empty(layout.dtypes[i], layout.shapes[i], "cpu")
+            x if x is not None else packing.empty(layout.dtypes[i], layout.shapes[i], "cpu")
             for i, x in enumerate(xs)
         ]
         if kept is None:

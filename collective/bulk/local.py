@@ -12,11 +12,11 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-from collective import frameworks
 from collective.bulk.meta import Listing
 from collective.checks import arguments
 from collective.checks.written import check_written
-from collective.frameworks import TensorSpec
+from collective.frameworks import kinds, memory, packing
+from collective.frameworks.kinds import TensorSpec
 from collective.groups.base import BaseGroup
 from collective.types import ArgumentError, ArgumentTypeError, ArgumentValueError, ReduceOp
 
@@ -72,9 +72,9 @@ def check_buffers(
     """
     specs = []
     reductions: set[str] = set()
-    device, dtypes = group.device_type, group.dtypes if reduce_op is not None else frameworks.DTYPES
+    device, dtypes = group.device_type, group.dtypes if reduce_op is not None else kinds.DTYPES
     for x, label in zip(xs, labels, strict=True):
-        spec = frameworks.spec(x, label)
+        spec = kinds.spec(x, label)
         if spec.dtype not in dtypes or spec.device.split(":")[0] != device:
             moved = spec if reduce_op is not None else replace(spec, dtype="uint8")
             group.check_tensor(moved, label)
@@ -140,7 +140,7 @@ def listing(specs: list[TensorSpec], names: list[str] | None) -> Listing:
 
 def check_outputs(group: BaseGroup, xs: list[Any], labels: list[str]) -> list[Any]:
     """Return views of ``xs`` to write in place, once ``check_written`` lets them be written."""
-    views = [frameworks.writable(x) for x in xs]
+    views = [packing.writable(x) for x in xs]
     check_written(group, list(zip(labels, views, strict=True)))
     return views
 
@@ -151,14 +151,14 @@ def check_no_overlap(xs: list[Any], labels: list[str]) -> None:
     Views of one buffer that share no element (``x[0::2]`` and ``x[1::2]``) pass.
     """
     spans = sorted(
-        (span, i) for i, x in enumerate(xs) if (span := frameworks.memory_span(x))[0] != span[1]
+        (span, i) for i, x in enumerate(xs) if (span := memory.memory_span(x))[0] != span[1]
     )
     reach: list[tuple[int, int]] = []
     """The buffers whose spans may still reach the next one's, as (end, index)."""
     for (start, end), i in spans:
         reach = [(e, j) for e, j in reach if e > start]
         for _, j in reach:
-            if frameworks.shares_elements(xs[i], xs[j]):
+            if memory.shares_elements(xs[i], xs[j]):
                 first, second = sorted((i, j))
                 raise ArgumentValueError(
                     f"{labels[first]} and {labels[second]} share memory; pass distinct buffers"

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from collective.frameworks import ITEMSIZE
+from collective.frameworks.packing import ITEMSIZE
 
 MAX_REPORTED = 1
 """Entries named in a mismatch message; the count of the others follows."""

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective import frameworks
 from collective.bulk.plan import Step, staging_bytes
 from collective.bulk.turns import AGREEMENT_OPS, Turn
-from collective.frameworks import ITEMSIZE, Batch, Staging
+from collective.frameworks import cuda_buffers, kinds, packing, streams
+from collective.frameworks.packing import ITEMSIZE, Batch, Staging
 from collective.groups.base import BaseGroup
 from collective.types import (
     AllReduceOptions,
@@ -135,7 +135,7 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
             free.append(slot)
 
     cpu = moves.group.device_type == "cpu"
-    capturing = not cpu and moves.like is not None and frameworks.capturing(moves.like)
+    capturing = not cpu and moves.like is not None and cuda_buffers.capturing(moves.like)
     for step in moves.steps:
         buffer = _in_place(moves, step)
         slot, batch = None, None
@@ -171,12 +171,12 @@ def _in_place(moves: Moves, step: Step) -> Any | None:
         return None
     piece = step.pieces[0]
     x = moves.tensors[piece.entry]
-    if x is None or not frameworks.is_contiguous(x):
+    if x is None or not kinds.is_contiguous(x):
         return None
     if step.dtype is None:
         size = step.nbytes // (piece.stop - piece.start)
-        return frameworks.as_bytes(x)[piece.start * size : piece.stop * size]
-    return frameworks.flat(x)[piece.start : piece.stop]
+        return packing.as_bytes(x)[piece.start * size : piece.stop * size]
+    return packing.flat(x)[piece.start : piece.stop]
 
 
 def _items(moves: Moves, step: Step) -> list[tuple[int, Any]]:
@@ -191,7 +191,7 @@ def _items(moves: Moves, step: Step) -> list[tuple[int, Any]]:
             continue
         offset = piece.offset
         size = step.nbytes // (piece.stop - piece.start)
-        for view in frameworks.segments(x, piece.start, piece.stop):
+        for view in packing.segments(x, piece.start, piece.stop):
             items.append((offset, view))
             offset += math.prod(view.shape) * size
     return items
@@ -233,7 +233,7 @@ class BulkWork(OnceWork):
         self._turn = turn
         self._halt = Halt()
         self._expired: CollectiveTimeoutError | None = None
-        self._stream = frameworks.caller_stream(moves.like)
+        self._stream = streams.caller_stream(moves.like)
         self._order: Callable[[], None] = lambda: None
         self._ended = threading.Event()
         self._complete_in_background(f"collective-{moves.group.group_name}-{op}")
@@ -242,9 +242,9 @@ class BulkWork(OnceWork):
         moves = self._moves
         try:
             if moves is not None:
-                with frameworks.using_stream(moves.like, self._stream):
+                with streams.using_stream(moves.like, self._stream):
                     run(moves, self._halt)
-                self._order = frameworks.mark(moves.like, self._stream)
+                self._order = streams.mark(moves.like, self._stream)
         except BaseException as exc:
             self._error = self._expired or exc
         finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from collective.bulk.meta import Listing
-from collective.frameworks import ITEMSIZE
+from collective.frameworks.packing import ITEMSIZE
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
-from collective import frameworks
 from collective.checks.check_args import CheckedGroup
-from collective.frameworks import TensorSpec
+from collective.frameworks import kinds, memory
+from collective.frameworks.kinds import TensorSpec
 from collective.groups.base import BaseGroup
 from collective.types import (
     ArgumentError,
@@ -153,9 +153,9 @@ def check_milliseconds(value: Any, name: str) -> timedelta:
 
 def check_tensor(group: BaseGroup, x: Any, name: str) -> TensorSpec:
     """Return the spec of ``x`` if ``group``'s backend can use it (GPU ones: contiguous)."""
-    spec = frameworks.spec(x, name)
+    spec = kinds.spec(x, name)
     group.check_tensor(spec, name)
-    if group.device_type == "cuda" and not frameworks.is_contiguous(x):
+    if group.device_type == "cuda" and not kinds.is_contiguous(x):
         raise ArgumentValueError(f"{name} must be contiguous for NCCL; pass a contiguous copy")
     return spec
 
@@ -192,11 +192,11 @@ def check_disjoint(
         ArgumentValueError: two of the buffers overlap, naming both.
 
     """
-    spans = [(name, frameworks.memory_span(x)) for name, x in outputs]
-    other_spans = [(name, frameworks.memory_span(x)) for name, x in others]
+    spans = [(name, memory.memory_span(x)) for name, x in outputs]
+    other_spans = [(name, memory.memory_span(x)) for name, x in others]
     for i, (name, span) in enumerate(spans):
         for other_name, other in spans[:i] + other_spans:
-            if frameworks.spans_overlap(span, other):
+            if memory.spans_overlap(span, other):
                 raise ArgumentValueError(
                     f"{name} and {other_name} share memory; pass distinct buffers"
                 )
@@ -231,7 +231,7 @@ def check_outputs(
     With ``disjoint``, the buffers of a list must not share memory (the chunks of
     one buffer never do); pass it for buffers the op writes.
     """
-    if not frameworks.is_buffer(xs):
+    if not kinds.is_buffer(xs):
         buffers = check_tensor_list(group, xs, name, like, length)
         if disjoint:
             check_disjoint([(f"{name}[{i}]", t) for i, t in enumerate(buffers)])
@@ -243,9 +243,9 @@ def check_outputs(
             f"{name} must be a list of {length} tensors or one tensor of {count} "
             f"{like.dtype} elements (world size x tensor), got {spec.describe()}"
         )
-    if not frameworks.is_contiguous(xs):
+    if not kinds.is_contiguous(xs):
         raise ArgumentValueError(f"{name} must be contiguous when passed as one flat tensor")
-    return frameworks.chunks(xs, length, like.shape)
+    return kinds.chunks(xs, length, like.shape)
 
 
 def check_rooted_list(

@@ -18,8 +18,10 @@ from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from collective import frameworks, signature
-from collective.frameworks import TensorSpec, array_bytes, byte_array, copy_of, int64_array, to_host
+from collective import signature
+from collective.frameworks import kinds, packing, streams
+from collective.frameworks.kinds import TensorSpec, array_bytes, byte_array, copy_of, int64_array
+from collective.frameworks.packing import to_host
 from collective.groups.base import BaseGroup
 from collective.types import (
     AllGatherOptions,
@@ -136,9 +138,9 @@ class CheckedGroup(BaseGroup):
         """
         if self._inner.device_type != "cuda":
             return None
-        if like is None or not frameworks.is_buffer(like) or not frameworks.on_gpu(like):
-            like = frameworks.empty("uint8", (0,), "cuda")
-        return lambda array: frameworks.to_device(array, like)
+        if like is None or not kinds.is_buffer(like) or not streams.on_gpu(like):
+            like = packing.empty("uint8", (0,), "cuda")
+        return lambda array: packing.to_device(array, like)
 
     def _tensor_op(
         self,

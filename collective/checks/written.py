@@ -14,7 +14,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from collective import frameworks
+from collective.frameworks import kinds, memory
 from collective.groups.base import BaseGroup
 from collective.types import ArgumentValueError
 
@@ -35,7 +35,7 @@ def check_written(group: BaseGroup, outputs: Sequence[tuple[str, Any]]) -> None:
     """Reject buffers the op may not write in place; warn once about read-only ones.
 
     A torch leaf tensor that requires grad and a buffer whose elements share memory
-    are refused. A read-only buffer (see ``frameworks.write_hazards``) is refused when
+    are refused. A read-only buffer (see ``memory.write_hazards``) is refused when
     the group has ``strict_buffers``; otherwise it is written in place, as
     ``ray.util.collective`` does, and the first one logs a warning in this process.
 
@@ -48,18 +48,18 @@ def check_written(group: BaseGroup, outputs: Sequence[tuple[str, Any]]) -> None:
 
     """
     for name, x in outputs:
-        hazards = frameworks.write_hazards(x)
+        hazards = memory.write_hazards(x)
         if not hazards:
             continue
-        if hazards & frameworks.GRAD_LEAF:
+        if hazards & memory.GRAD_LEAF:
             raise ArgumentValueError(
                 f"{name} is a leaf tensor that requires grad, which the op would overwrite "
                 f"in place behind autograd's back; pass {name}.detach() to write its data, "
                 "or a copy"
             )
-        if hazards & frameworks.OVERLAPPING:
-            raise ArgumentValueError(frameworks.overlap_message(name))
-        if hazards & frameworks.READ_ONLY:
+        if hazards & memory.OVERLAPPING:
+            raise ArgumentValueError(memory.overlap_message(name))
+        if hazards & memory.READ_ONLY:
             if group.options.strict_buffers:
                 raise ArgumentValueError(read_only_message(name, x) + _STRICT)
             if not _warned.is_set():
@@ -69,7 +69,7 @@ def check_written(group: BaseGroup, outputs: Sequence[tuple[str, Any]]) -> None:
 
 def read_only_message(name: str, x: Any) -> str:
     """Return what is wrong with writing the read-only buffer ``x`` called ``name``."""
-    kind = "numpy array" if frameworks.spec(x, name).kind == "numpy" else "torch tensor"
+    kind = "numpy array" if kinds.spec(x, name).kind == "numpy" else "torch tensor"
     return (
         f"{name} is a read-only {kind}, usually one that Ray mapped from its object store "
         "(an actor method's argument or a ray.get result); writing it in place changes the "
@@ -88,11 +88,11 @@ def same_as_output(output: Any, inputs: list[Any], name: str, list_name: str) ->
         ArgumentValueError: ``output`` overlaps an input without being exactly it.
 
     """
-    found = frameworks.aliasing(output, inputs)
-    if frameworks.PARTIAL in found:
-        i = found.index(frameworks.PARTIAL)
+    found = memory.aliasing(output, inputs)
+    if memory.PARTIAL in found:
+        i = found.index(memory.PARTIAL)
         raise ArgumentValueError(
             f"{name} and {list_name}[{i}] share memory; {name} may be one of the "
             f"buffers of {list_name}, but not a part of one"
         )
-    return [i for i, how in enumerate(found) if how == frameworks.SAME]
+    return [i for i, how in enumerate(found) if how == memory.SAME]

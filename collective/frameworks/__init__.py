@@ -1,119 +1,13 @@
-"""Recognise numpy arrays, torch tensors and cupy arrays; the only package that knows them.
+"""Where numpy arrays, torch tensors and cupy arrays are recognised; the only room that knows them.
 
-``kinds`` tells them apart and describes them, ``memory`` says where their elements
-lie, ``cpu`` wraps CPU buffers for the CPU backend and ``cuda`` GPU buffers for NCCL.
+This room owns everything the library asks of a framework's buffer: ``kinds`` tells
+the frameworks apart and describes a buffer (``spec``, dtype names, contiguity),
+``dtypes`` is the one dtype table, ``memory`` says where a buffer's elements lie
+(overlaps, aliases, write hazards, Ray's object store through ``objectstore``),
+``cpu_buffers`` wraps CPU buffers for the CPU transports and ``cuda_buffers`` GPU
+buffers and streams for NCCL, ``streams`` orders work on the caller's CUDA stream,
+``packing`` packs many buffers into staging buckets, ``bytelist`` moves lists of
+byte runs and ``prints`` fingerprints a list of buffers. It imports nothing of the
+package but ``collective.types``; numpy, torch and cupy are imported only when a
+buffer of theirs is seen.
 """
-
-from collective.frameworks.cpu import CpuBuffer, cpu_key, plain_flat, torch_view
-from collective.frameworks.cuda import (
-    CUPY_INSTALL_HINT,
-    NCCL_DTYPES,
-    CudaBuffer,
-    buffer_key,
-    capturing,
-    cuda_buffer,
-    current_stream,
-    record_stream,
-    synchronize_device,
-)
-from collective.frameworks.kinds import (
-    DTYPES,
-    TensorSpec,
-    array_bytes,
-    byte_array,
-    chunks,
-    copy_of,
-    dtype_name,
-    int64_array,
-    is_buffer,
-    is_contiguous,
-    plain_dtype,
-    spec,
-    split_rows,
-)
-from collective.frameworks.memory import (
-    GRAD_LEAF,
-    OVERLAPPING,
-    PARTIAL,
-    READ_ONLY,
-    SAME,
-    aliasing,
-    memory_span,
-    overlap_message,
-    overlaps,
-    self_overlapping,
-    shares_elements,
-    spans_overlap,
-    start_address,
-    write_hazards,
-)
-from collective.frameworks.packing import (
-    ITEMSIZE,
-    Batch,
-    Staging,
-    as_bytes,
-    empty,
-    flat,
-    segments,
-    to_device,
-    to_host,
-    writable,
-)
-from collective.frameworks.streams import caller_stream, mark, on_gpu, using_stream
-
-__all__ = [
-    "CUPY_INSTALL_HINT",
-    "DTYPES",
-    "GRAD_LEAF",
-    "ITEMSIZE",
-    "NCCL_DTYPES",
-    "OVERLAPPING",
-    "PARTIAL",
-    "READ_ONLY",
-    "SAME",
-    "Batch",
-    "CpuBuffer",
-    "CudaBuffer",
-    "Staging",
-    "TensorSpec",
-    "aliasing",
-    "array_bytes",
-    "as_bytes",
-    "buffer_key",
-    "byte_array",
-    "caller_stream",
-    "capturing",
-    "chunks",
-    "copy_of",
-    "cpu_key",
-    "cuda_buffer",
-    "current_stream",
-    "dtype_name",
-    "empty",
-    "flat",
-    "int64_array",
-    "is_buffer",
-    "is_contiguous",
-    "mark",
-    "memory_span",
-    "on_gpu",
-    "overlap_message",
-    "overlaps",
-    "plain_dtype",
-    "plain_flat",
-    "record_stream",
-    "segments",
-    "self_overlapping",
-    "shares_elements",
-    "spans_overlap",
-    "spec",
-    "split_rows",
-    "start_address",
-    "synchronize_device",
-    "to_device",
-    "to_host",
-    "torch_view",
-    "using_stream",
-    "writable",
-    "write_hazards",
-]

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.frameworks.cpu import _writable
+from collective.frameworks.cpu_buffers import _writable
 from collective.frameworks.dtypes import ITEMSIZE
 from collective.frameworks.kinds import is_contiguous, is_cupy, is_torch
 

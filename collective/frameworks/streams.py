@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from collective.frameworks.cuda import current_stream
+from collective.frameworks.cuda_buffers import current_stream
 from collective.frameworks.kinds import is_cupy, is_torch
 
 

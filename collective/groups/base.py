@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol, cast
 
-from collective.frameworks import TensorSpec, cpu_key
+from collective.frameworks.cpu_buffers import cpu_key
+from collective.frameworks.kinds import TensorSpec
 from collective.groups.launches import Launch, Launches
 from collective.rendezvous.store import RendezvousStore
 from collective.types import (

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.groups import progress
-from collective.rendezvous.store import RendezvousStore
+from collective.rendezvous.store import RendezvousStore, abort_key
 from collective.types import CollectiveError
 
 _STOP = b"\x00stop"
@@ -38,11 +38,6 @@ _SLICE_EXPIRED = "timed out"
 
 _JOIN_S = 10.0
 """The longest ``stop`` waits for the watch thread to end."""
-
-
-def abort_key(rank: int) -> str:
-    """Return the store key under which failures are reported to ``rank``."""
-    return f"abort/{rank}"
 
 
 def _waited(work: Any, seconds: float) -> bool:

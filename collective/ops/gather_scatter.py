@@ -14,7 +14,7 @@ from typing import Any
 from collective.checks import arguments
 from collective.checks.arguments import checking
 from collective.checks.written import check_written
-from collective.frameworks import split_rows
+from collective.frameworks.kinds import split_rows
 from collective.groups.base import BaseGroup
 from collective.groups.launches import Launch
 from collective.ops.list_calls import call, views

@@ -22,10 +22,10 @@ from collections.abc import Callable, Hashable
 from datetime import timedelta
 from typing import Any
 
-from collective import frameworks
 from collective.checks import arguments
 from collective.checks.arguments import checking
 from collective.checks.written import check_written, same_as_output
+from collective.frameworks import kinds, memory
 from collective.groups.base import BaseGroup
 from collective.groups.launches import Launch
 from collective.ops.calls import REDUCE_OP_VALUES
@@ -59,7 +59,7 @@ def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     k = group.key_of(x)
     if k is None:
         return None
-    return ("buffer", k, frameworks.start_address(x))
+    return ("buffer", k, memory.start_address(x))
 
 
 def extra_key(value: Any) -> Hashable:
@@ -147,8 +147,8 @@ def views(xs: Any, count: int, shape: tuple[int, ...]) -> Callable[[Any], list[A
     """
     if xs is None:
         return lambda xs: []
-    if frameworks.is_buffer(xs):
-        return lambda xs: frameworks.chunks(xs, count, shape)
+    if kinds.is_buffer(xs):
+        return lambda xs: kinds.chunks(xs, count, shape)
     return list
 
 
@@ -194,7 +194,7 @@ def build_reducescatter(
     def launch(args: tuple[Any, Any]) -> Work | None:
         output, inputs = args[0], as_list(args[1])
         if same:
-            copy = frameworks.copy_of(output)
+            copy = kinds.copy_of(output)
             for i in same:
                 inputs[i] = copy
         return issued(run([output], [inputs], options), is_async)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from collective import frameworks
 from collective.checks import arguments
 from collective.checks.arguments import checking
 from collective.checks.written import check_written
+from collective.frameworks import cuda_buffers
 from collective.groups.base import BaseGroup
 from collective.groups.launches import Launch
 from collective.ops.list_calls import call
@@ -281,7 +281,7 @@ def _build_recv(
 
 def synchronize(gpu_id: int) -> None:
     """Block until all work queued on GPU ``gpu_id`` of this process has finished."""
-    frameworks.synchronize_device(arguments.check_non_negative(gpu_id, "gpu_id"))
+    cuda_buffers.synchronize_device(arguments.check_non_negative(gpu_id, "gpu_id"))
 
 
 def _tensor_lists(group: BaseGroup, xs: Any, name: str, length: int) -> list[list[Any]]:

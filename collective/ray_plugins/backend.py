@@ -21,7 +21,7 @@ from ray.util.collective.collective_group.base_collective_group import (
     BaseGroup as RayBaseGroup,
 )
 
-from collective import frameworks
+from collective.frameworks import kinds, streams
 from collective.ops import collectives, multigpu
 from collective.ray_plugins.names import DEFAULT_NAME
 from collective.registry import lifecycle, queries
@@ -112,7 +112,7 @@ class RayGroup(RayBaseGroup):
             ArgumentTypeError: ``x`` is on a GPU but not every rank has one.
 
         """
-        if frameworks.is_buffer(x) and frameworks.on_gpu(x):
+        if kinds.is_buffer(x) and streams.on_gpu(x):
             if self._gpu is None:
                 raise ArgumentTypeError(
                     f"group {self.group_name!r} moves CPU buffers only, as not every rank "

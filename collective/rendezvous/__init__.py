@@ -7,7 +7,7 @@ in ``actor_reshape``), the per-group state it keeps (``state``) and the rules of
 shrink or grow (``reshape``); the GCS queries that tell it which members died
 (``liveness``); and a process's side of it: the actor's handle and notices
 (``client``) and the requests to join, leave, declare, end and list groups
-(``membership``). It imports ``collective.types``, and ``collective.groups.watch``
-for the key under which the actor reports a failure to a rank; ``store`` imports
-nothing of the package, so the transports in ``groups/`` build on it.
+(``membership``). It imports only ``collective.types``; ``store`` (with ``abort_key``, the key under
+which a failure is reported to a rank) imports nothing of the package, so the
+transports in ``groups/`` build on it.
 """

@@ -21,7 +21,6 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from collective.groups.watch import abort_key
 from collective.rendezvous import liveness, reshape
 from collective.rendezvous.actor_keys import KeyMethods
 from collective.rendezvous.actor_reshape import ReshapeMethods
@@ -34,6 +33,7 @@ from collective.rendezvous.state import (
     wait_event,
     wait_first,
 )
+from collective.rendezvous.store import abort_key
 
 __all__ = ["ACK_WAIT_S", "IDLE_GRACE_S", "STORE_ACTOR_NAME", "SWEEP_S", "StoreActor"]
 

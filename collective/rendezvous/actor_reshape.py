@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from collective.groups.watch import abort_key
 from collective.rendezvous import liveness, reshape
 from collective.rendezvous.liveness import Member
 from collective.rendezvous.state import (
@@ -23,6 +22,7 @@ from collective.rendezvous.state import (
     Reshape,
     wait_event,
 )
+from collective.rendezvous.store import abort_key
 
 RESHAPE_POLL_S = 0.1
 """How often a shrink or grow in progress asks the GCS whether the members it waits for live."""

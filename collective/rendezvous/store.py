@@ -14,6 +14,11 @@ from datetime import timedelta
 from typing import Any
 
 
+def abort_key(rank: int) -> str:
+    """Return the store key under which failures are reported to ``rank``."""
+    return f"abort/{rank}"
+
+
 class RendezvousStore(ABC):
     """A small key-value store through which the ranks of one group meet."""
 

@@ -16,7 +16,7 @@ from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
 
-from collective.frameworks import DTYPES
+from collective.frameworks.kinds import DTYPES
 from collective.groups.base import BaseGroup
 from collective.registry.backends import group_class
 from collective.types import Backend, ReduceOp

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from collective.frameworks import DTYPES
+from collective.frameworks.kinds import DTYPES
 from collective.groups import progress
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.connect import Member, Transports, connect

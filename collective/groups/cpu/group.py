@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from collective.frameworks import CpuBuffer, plain_flat
 from collective.frameworks.bytelist import ByteList
+from collective.frameworks.cpu_buffers import CpuBuffer, plain_flat
 from collective.groups.cpu.base import CpuGroupBase
 from collective.groups.cpu.plans import Flat, Hierarchy
 from collective.groups.gloo.group import GlooGroup

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.frameworks import CpuBuffer, torch_view
+from collective.frameworks.cpu_buffers import CpuBuffer, torch_view
 from collective.groups.gloo.agree import Call, on_buffer
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.shm.algorithms import Collectives

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from collective import signature
-from collective.frameworks import CpuBuffer
+from collective.frameworks.cpu_buffers import CpuBuffer
 from collective.signature import Call
 from collective.types import ArgumentValueError, ReduceOp
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective.frameworks import DTYPES
+from collective.frameworks.kinds import DTYPES
 from collective.groups.base import BaseGroup
 from collective.groups.gloo.agree import Call, Carried, Records, disagreement, unpaired
 from collective.groups.gloo.reducescatter import Scratch

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from collective.frameworks import CpuBuffer, overlaps
+from collective.frameworks.cpu_buffers import CpuBuffer
+from collective.frameworks.memory import overlaps
 from collective.groups.gloo.agree import (
     HEADER_WIDTH,
     Call,

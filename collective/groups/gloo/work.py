@@ -10,7 +10,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, Protocol
 
-from collective.frameworks import CpuBuffer
+from collective.frameworks.cpu_buffers import CpuBuffer
 from collective.rendezvous.store import RendezvousStore
 from collective.types import DEFAULT_TIMEOUT, ArgumentValueError, CollectiveError, ReduceOp
 from collective.work import OnceWork

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.frameworks import NCCL_DTYPES, CudaBuffer
+from collective.frameworks.cuda_buffers import NCCL_DTYPES, CudaBuffer
 from collective.groups.base import BaseGroup
 from collective.groups.nccl import mismatch
 from collective.groups.nccl.comm import (

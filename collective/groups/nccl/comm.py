@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from collective import frameworks
-from collective.frameworks import CudaBuffer
+from collective.frameworks import cuda_buffers
+from collective.frameworks.cuda_buffers import CudaBuffer
 from collective.groups.nccl.cuda import wait_events
 from collective.rendezvous.store import RendezvousStore
 from collective.types import (
@@ -35,7 +35,7 @@ NCCL_REDUCE_OPS: dict[ReduceOp, int] = {
 UNIQUE_ID_BYTES = 128
 """The size of an ``ncclUniqueId``."""
 
-INSTALL_HINT = frameworks.CUPY_INSTALL_HINT
+INSTALL_HINT = cuda_buffers.CUPY_INSTALL_HINT
 """What to install when cupy is missing."""
 
 NO_GPU_HINT = "give the actor num_gpus=1, or use backend='gloo' for CPU tensors"
@@ -262,7 +262,7 @@ def per_device(tensors: Sequence[Any], name: str) -> list[CudaBuffer]:
     """Describe one buffer per device; they must agree in dtype and size."""
     if len(tensors) < 1:
         raise ArgumentValueError(f"{name} must hold at least one tensor, got none")
-    bufs = [frameworks.cuda_buffer(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
+    bufs = [cuda_buffers.cuda_buffer(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
     if len({b.device for b in bufs}) != len(bufs):
         raise ArgumentValueError(f"the tensors of {name} must each be on a different GPU")
     first = bufs[0]
@@ -279,7 +279,7 @@ def buffers_on(xs: Sequence[Any], name: str, like: CudaBuffer, length: int) -> l
     """Describe ``length`` buffers on ``like``'s device, of its dtype and size."""
     if len(xs) != length:
         raise ArgumentValueError(f"{name} must hold {length} tensors, got {len(xs)}")
-    bufs = [frameworks.cuda_buffer(x, f"{name}[{j}]") for j, x in enumerate(xs)]
+    bufs = [cuda_buffers.cuda_buffer(x, f"{name}[{j}]") for j, x in enumerate(xs)]
     for j, b in enumerate(bufs):
         if (b.device, b.dtype, b.count) != (like.device, like.dtype, like.count):
             raise ArgumentValueError(

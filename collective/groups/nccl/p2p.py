@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from collective import frameworks
-from collective.frameworks import CudaBuffer
+from collective.frameworks import cuda_buffers
+from collective.frameworks.cuda_buffers import CudaBuffer
 from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import buffers_on, per_device
 from collective.groups.nccl.launch import Plan, Step
@@ -47,7 +47,7 @@ class NcclPointToPoint(NcclRunning):
         def builder() -> tuple[Sequence[Any], Communicators, Plan]:
             if len(tensors) != 1:
                 raise ArgumentValueError(f"{op} takes one tensor, got {len(tensors)}")
-            b = frameworks.cuda_buffer(tensors[0], "tensor")
+            b = cuda_buffers.cuda_buffer(tensors[0], "tensor")
             count = options.n_elements or b.count
             if count > b.count:
                 raise ArgumentValueError(f"n_elements must be at most {b.count}, got {count}")
@@ -163,10 +163,11 @@ class NcclPointToPoint(NcclRunning):
                     f"got {len(outputs)} and {len(inputs)}"
                 )
             outs = [
-                frameworks.cuda_buffer(t, f"output_tensor_list[{j}]") for j, t in enumerate(outputs)
+                cuda_buffers.cuda_buffer(t, f"output_tensor_list[{j}]")
+                for j, t in enumerate(outputs)
             ]
             ins = [
-                frameworks.cuda_buffer(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)
+                cuda_buffers.cuda_buffer(t, f"input_tensor_list[{j}]") for j, t in enumerate(inputs)
             ]
             if len({b.device for b in outs + ins}) != 1 or len({b.dtype for b in outs + ins}) != 1:
                 raise ArgumentValueError(

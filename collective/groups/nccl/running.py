@@ -33,7 +33,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
-from collective import frameworks
+from collective.frameworks import cuda_buffers
 from collective.groups.launches import Launch as PublicLaunch
 from collective.groups.nccl.base import Builder, NCCLGroupBase
 from collective.groups.nccl.cuda import NcclWork, follow, record, settled
@@ -103,8 +103,8 @@ class NcclRunning(NCCLGroupBase):
             op,
             options.async_op,
             extra,
-            tuple(map(frameworks.buffer_key, buffers)),
-            tuple(map(frameworks.current_stream, anchors)),
+            tuple(map(cuda_buffers.buffer_key, buffers)),
+            tuple(map(cuda_buffers.current_stream, anchors)),
         )
         launch = self._launches.get(key)
         if launch is not None:
@@ -113,14 +113,14 @@ class NcclRunning(NCCLGroupBase):
         return self._build(key, op, options.async_op, timeout, builder, signed)
 
     def key_of(self, x: Any) -> Hashable | None:  # type: ignore[override]
-        """Return ``x``'s ``frameworks.buffer_key`` and the caller's current stream on its device.
+        """Return ``x``'s ``cuda_buffers.buffer_key`` and the caller's current stream on its device.
 
         None for a buffer on no GPU, or one that has no key.
         """
-        key = frameworks.buffer_key(x)
+        key = cuda_buffers.buffer_key(x)
         if key is None or key[4] < 0:
             return None
-        return (key, frameworks.current_stream(x))
+        return (key, cuda_buffers.current_stream(x))
 
     def build(self, op: str, x: Any, options: Any) -> tuple[PublicLaunch, bool]:
         """Return the launch of a public call of ``op`` on ``x``: its NCCL launch, issued.
@@ -161,7 +161,7 @@ class NcclRunning(NCCLGroupBase):
         capture builds one that has both).
         """
         anchors, communicators, plan = builder()
-        devices = tuple(frameworks.cuda_buffer(a, "tensor").device for a in anchors)
+        devices = tuple(cuda_buffers.cuda_buffer(a, "tensor").device for a in anchors)
         with self._op_lock:
             self._check_usable(self._destroyed)
             try:
@@ -232,7 +232,7 @@ class NcclRunning(NCCLGroupBase):
     ) -> Work:
         """Issue an async op's launch on the comm streams, after the callers' streams."""
         cuda = self._cuda
-        callers = [frameworks.current_stream(a) for a in anchors]
+        callers = [cuda_buffers.current_stream(a) for a in anchors]
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
@@ -259,10 +259,10 @@ class NcclRunning(NCCLGroupBase):
                 by_device = dict(zip(launch.devices, launch.streams, strict=True))
                 for x in buffers:
                     if len(by_device) == 1:
-                        frameworks.record_stream(x, launch.streams[0])
+                        cuda_buffers.record_stream(x, launch.streams[0])
                     else:
-                        frameworks.record_stream(
-                            x, by_device[frameworks.cuda_buffer(x, "tensor").device]
+                        cuda_buffers.record_stream(
+                            x, by_device[cuda_buffers.cuda_buffer(x, "tensor").device]
                         )
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.frameworks import plain_dtype
+from collective.frameworks.kinds import plain_dtype
 from collective.groups.shm.kernels import UFUNCS
 from collective.groups.shm.steps import Steps
 from collective.types import ReduceOp
