@@ -185,6 +185,6 @@ class CompletedWork(Work):
         return self._error
 
 
-def issued(work: Work, async_op: bool) -> Work | None:
+def returned(work: Work, async_op: bool) -> Work | None:
     """Return what a public op returns: its handle when called with ``async_op``, else None."""
     return work if async_op else None

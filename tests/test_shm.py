@@ -87,16 +87,16 @@ def _our_segments() -> list[str]:
 
 
 def test_default_arena_of_eight_ranks_fits_dockers_shm_with_room_to_spare() -> None:
-    layout = Layout.plan(8)
+    layout = Layout.for_ranks(8)
     assert layout.size <= 32 << 20, layout.size
     assert layout.slot_bytes >= 64 << 10
 
 
 def test_slot_size_must_leave_room_for_every_rank() -> None:
     with pytest.raises(ValueError, match="slot_bytes"):
-        Layout.plan(4, 128)
+        Layout.for_ranks(4, 128)
     with pytest.raises(ValueError, match="slot_bytes"):
-        Layout.plan(2, 200)
+        Layout.for_ranks(2, 200)
 
 
 # --- transport choice -----------------------------------------------------------------------

@@ -165,7 +165,7 @@ def _place(name: str, content: bytes) -> str:
 
 def test_the_sweep_removes_only_arenas_this_library_made() -> None:
     dead = _dead_pid()
-    ours = arena.create(Layout.plan(2, 4096))
+    ours = arena.create(Layout.for_ranks(2, 4096))
     ours.close()
     stale = os.path.join(SHM_DIR, f"collective-{dead}-{uuid.uuid4().hex[:12]}")
     os.rename(ours.path, stale)
@@ -184,7 +184,7 @@ def test_the_sweep_removes_only_arenas_this_library_made() -> None:
 
 
 def test_the_sweep_keeps_the_arena_of_a_live_creator() -> None:
-    live = arena.create(Layout.plan(2, 4096))
+    live = arena.create(Layout.for_ranks(2, 4096))
     try:
         time.sleep(0.01)
         arena.sweep_stale()

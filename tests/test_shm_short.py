@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from collective.groups.cpu.group import CpuGroup
-from collective.groups.shm.short import MAX_PLANS, SHORT_BYTES
+from collective.groups.shm.short import MAX_PREPARED, SHORT_BYTES
 from collective.types import (
     AllReduceOptions,
     BarrierOptions,
@@ -198,8 +198,8 @@ def test_groups_without_a_short_path_decline(where: str) -> None:
     assert run_cpu(size, fn, **kwargs) == [(False, float(size))] * size
 
 
-def test_more_sizes_than_kept_plans_stay_right() -> None:
-    counts = [*range(1, MAX_PLANS + 10), 1, 2, 3]
+def test_more_sizes_than_kept_prepared_calls_stay_right() -> None:
+    counts = [*range(1, MAX_PREPARED + 10), 1, 2, 3]
 
     def fn(group: CpuGroup, rank: int) -> list[bool]:
         ok = []

@@ -289,10 +289,10 @@ def _moves(
         kept.scratch = {i: whole[i] for i, x in enumerate(xs) if x is None}
         runs = repeat.runs(kept, whole)
         return Moves(group, [], held, reads, writes, like, timeout, root, whole=runs)
-    steps = mine.steps if mine is not None else None
-    if steps is None:
+    bulk_ops = mine.bulk_ops if mine is not None else None
+    if bulk_ops is None:
         direct = DIRECT_BYTES if group.device_type == "cpu" else bucket_bytes
-        steps = plan(layout, bucket_bytes, direct, typed=reduce_op is not None)
+        bulk_ops = plan(layout, bucket_bytes, direct, typed=reduce_op is not None)
         if kept is not None:
-            kept.steps = steps
-    return Moves(group, steps, ordered(), reads, writes, like, timeout, root, reduce_op)
+            kept.bulk_ops = bulk_ops
+    return Moves(group, bulk_ops, ordered(), reads, writes, like, timeout, root, reduce_op)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective.bulk.plan import Step, staging_bytes
+from collective.bulk.plan import BulkOp, staging_bytes
 from collective.bulk.turns import AGREEMENT_OPS, Turn
 from collective.frameworks import cuda_buffers, kinds, packing, streams
 from collective.frameworks.packing import ITEMSIZE, Batch, Staging
@@ -50,7 +50,7 @@ class Moves:
     """
 
     group: BaseGroup
-    steps: list[Step]
+    bulk_ops: list[BulkOp]
     tensors: Sequence[Any | None]
     reads: bool
     writes: bool
@@ -60,7 +60,7 @@ class Moves:
     reduce_op: ReduceOp | None = None
     whole: Sequence[Any] | None = None
     """Every tensor in layout order (scratch where this rank has none), when the group
-    moves them as one message (``BaseGroup.takes_lists``); then ``steps`` go unused."""
+    moves them as one message (``BaseGroup.takes_lists``); then ``bulk_ops`` go unused."""
 
 
 class HaltedError(Exception):
@@ -123,7 +123,7 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
         return
     slots: list[Staging] = []
     free: list[int] = []
-    size = staging_bytes([s for s in moves.steps if _in_place(moves, s) is None])
+    size = staging_bytes([s for s in moves.bulk_ops if _in_place(moves, s) is None])
     pending: deque[tuple[Work, int | None, Batch | None]] = deque()
 
     def finish() -> None:
@@ -136,8 +136,8 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
 
     cpu = moves.group.device_type == "cpu"
     capturing = not cpu and moves.like is not None and cuda_buffers.capturing(moves.like)
-    for step in moves.steps:
-        buffer = _in_place(moves, step)
+    for bulk_op in moves.bulk_ops:
+        buffer = _in_place(moves, bulk_op)
         slot, batch = None, None
         blocking = (cpu and buffer is not None) or capturing
         if buffer is None:
@@ -148,14 +148,14 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
                 slots.append(Staging(moves.like, size))
                 free.append(len(slots) - 1)
             slot = free.pop()
-            batch = Batch(_items(moves, step))
+            batch = Batch(_items(moves, bulk_op))
             if moves.reads:
                 slots[slot].pack(batch)
             staging = slots[slot]
-            if step.dtype is None:
-                buffer = staging.bytes(0, step.nbytes)
+            if bulk_op.dtype is None:
+                buffer = staging.bytes(0, bulk_op.nbytes)
             else:
-                buffer = staging.typed(0, step.nbytes // ITEMSIZE[step.dtype], step.dtype)
+                buffer = staging.typed(0, bulk_op.nbytes // ITEMSIZE[bulk_op.dtype], bulk_op.dtype)
         halt.check()
         pending.append((_issue(moves, buffer, not blocking), slot, batch))
         if len(pending) > DEPTH:
@@ -165,32 +165,32 @@ def run(moves: Moves, halt: Halt = _FREE) -> None:
     halt.finish()
 
 
-def _in_place(moves: Moves, step: Step) -> Any | None:
-    """Return the caller's own memory that ``step`` moves, or None if it goes through staging."""
-    if not step.solo:
+def _in_place(moves: Moves, bulk_op: BulkOp) -> Any | None:
+    """Return the caller's own memory that ``bulk_op`` moves, or None if it goes through staging."""
+    if not bulk_op.direct:
         return None
-    piece = step.pieces[0]
+    piece = bulk_op.pieces[0]
     x = moves.tensors[piece.entry]
     if x is None or not kinds.is_contiguous(x):
         return None
-    if step.dtype is None:
-        size = step.nbytes // (piece.stop - piece.start)
+    if bulk_op.dtype is None:
+        size = bulk_op.nbytes // (piece.stop - piece.start)
         return packing.as_bytes(x)[piece.start * size : piece.stop * size]
     return packing.flat(x)[piece.start : piece.stop]
 
 
-def _items(moves: Moves, step: Step) -> list[tuple[int, Any]]:
-    """Return the (offset, view) pairs that ``step`` packs and unpacks on this rank."""
+def _items(moves: Moves, bulk_op: BulkOp) -> list[tuple[int, Any]]:
+    """Return the (offset, view) pairs that ``bulk_op`` packs and unpacks on this rank."""
     items = []
-    for piece in step.pieces:
+    for piece in bulk_op.pieces:
         x = moves.tensors[piece.entry]
         if x is None:
             continue
-        if piece.start == 0 and not step.solo:
+        if piece.start == 0 and not bulk_op.direct:
             items.append((piece.offset, x))
             continue
         offset = piece.offset
-        size = step.nbytes // (piece.stop - piece.start)
+        size = bulk_op.nbytes // (piece.stop - piece.start)
         for view in packing.segments(x, piece.start, piece.stop):
             items.append((offset, view))
             offset += math.prod(view.shape) * size
@@ -298,11 +298,11 @@ def start(op: str, moves: Moves, async_op: bool, turn: Turn) -> Work | None:
     ``turn``, the call's hold on its group, is given back once its ops have ended.
     """
     own = moves.timeout or moves.group.timeout
-    turn.bound(len(moves.steps) + AGREEMENT_OPS, own)
+    turn.bound(len(moves.bulk_ops) + AGREEMENT_OPS, own)
     if not async_op:
         try:
             run(moves)
         finally:
             turn.release()
         return None
-    return BulkWork(op, moves, own * (len(moves.steps) + 1), turn)
+    return BulkWork(op, moves, own * (len(moves.bulk_ops) + 1), turn)

@@ -28,20 +28,20 @@ class Piece:
 
 
 @dataclass
-class Step:
+class BulkOp:
     """One op of the call: ``nbytes`` moved, as ``dtype`` elements or (None) as bytes.
 
-    ``solo`` steps carry one range of one big tensor, which a rank moves in place
+    ``direct`` ops carry one range of one big tensor, which a rank moves in place
     when its tensor is contiguous.
     """
 
     nbytes: int = 0
     dtype: str | None = None
-    solo: bool = False
+    direct: bool = False
     pieces: list[Piece] = field(default_factory=list)
 
 
-def plan(layout: Listing, bucket_bytes: int, direct_bytes: int, typed: bool) -> list[Step]:
+def plan(layout: Listing, bucket_bytes: int, direct_bytes: int, typed: bool) -> list[BulkOp]:
     """Return the ops that move ``layout``, in the order every rank issues them.
 
     Args:
@@ -51,8 +51,8 @@ def plan(layout: Listing, bucket_bytes: int, direct_bytes: int, typed: bool) -> 
         typed: whether each op moves one dtype (a reduction) rather than bytes.
 
     """
-    steps: list[Step] = []
-    open_buckets: dict[str | None, Step] = {}
+    bulk_ops: list[BulkOp] = []
+    open_buckets: dict[str | None, BulkOp] = {}
     for i in range(len(layout)):
         dtype, nbytes = layout.dtypes[i], layout.nbytes(i)
         if nbytes == 0:
@@ -64,20 +64,22 @@ def plan(layout: Listing, bucket_bytes: int, direct_bytes: int, typed: bool) -> 
             for start in range(0, count, per_op):
                 stop = min(count, start + per_op)
                 piece = Piece(i, start, stop, 0)
-                steps.append(Step((stop - start) * size, dtype if typed else None, True, [piece]))
+                bulk_ops.append(
+                    BulkOp((stop - start) * size, dtype if typed else None, True, [piece])
+                )
             continue
         key = dtype if typed else None
         bucket = open_buckets.get(key)
         offset = -(-bucket.nbytes // size) * size if bucket is not None else 0
         if bucket is None or offset + nbytes > bucket_bytes:
-            bucket = open_buckets[key] = Step(dtype=key)
-            steps.append(bucket)
+            bucket = open_buckets[key] = BulkOp(dtype=key)
+            bulk_ops.append(bucket)
             offset = 0
         bucket.pieces.append(Piece(i, 0, count, offset))
         bucket.nbytes = offset + nbytes
-    return steps
+    return bulk_ops
 
 
-def staging_bytes(steps: list[Step]) -> int:
-    """Return the bytes of the largest op of ``steps``: what one staging buffer must hold."""
-    return max((s.nbytes for s in steps), default=0)
+def staging_bytes(bulk_ops: list[BulkOp]) -> int:
+    """Return the bytes of the largest op of ``bulk_ops``: what one staging buffer must hold."""
+    return max((s.nbytes for s in bulk_ops), default=0)

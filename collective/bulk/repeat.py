@@ -1,6 +1,6 @@
 """A bulk call that repeats an earlier one on its group skips this rank's per-tensor work.
 
-A trainer sends the same state dict every step: the same names and tensors, over
+A trainer sends the same state dict every bulk_op: the same names and tensors, over
 the same memory. A call's own checks and descriptions of its tensors (``local``)
 are kept, per group, under the call's arguments; a later call with equal arguments
 and keys whose tensors ``Fingerprint.matches`` takes them instead of checking and
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from collective.bulk.meta import Listing
-from collective.bulk.plan import Step
+from collective.bulk.plan import BulkOp
 from collective.frameworks.bytelist import ByteList, byte_runs
 from collective.frameworks.prints import Fingerprint, fingerprint
 from collective.groups.base import BaseGroup
@@ -32,7 +32,7 @@ class Kept:
     """What a call found about this rank's tensors, for a call that repeats it.
 
     ``listing`` is in the rank's own order. The moves (``runs`` on a group that
-    takes lists, ``steps`` elsewhere) depend on the agreed layout too, so they are
+    takes lists, ``bulk_ops`` elsewhere) depend on the agreed layout too, so they are
     kept with the layout they were made for.
     """
 
@@ -41,7 +41,7 @@ class Kept:
     listing: Listing
     layout: Listing | None = None
     runs: ByteList | None = None
-    steps: list[Step] | None = None
+    bulk_ops: list[BulkOp] | None = None
     scratch: dict[int, Any] = field(default_factory=dict)
     """Tensors this rank lacks (a key the source sends, with ``strict=False``), by layout
     entry: scratch that the bytes pass through."""
@@ -50,7 +50,7 @@ class Kept:
         """Return self if the kept moves were made for ``layout``; else forget them, None."""
         if self.layout is not None and (self.layout is layout or self.layout == layout):
             return self
-        self.layout, self.runs, self.steps, self.scratch = layout, None, None, {}
+        self.layout, self.runs, self.bulk_ops, self.scratch = layout, None, None, {}
         return None
 
 

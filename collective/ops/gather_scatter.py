@@ -26,7 +26,7 @@ from collective.types import (
     GatherOptions,
     ScatterOptions,
 )
-from collective.work import Work, issued
+from collective.work import Work, returned
 
 
 def gather(
@@ -150,7 +150,7 @@ def _build_gather(
         check_written(group, named)
     as_list, run = views(gather_list, group.world_size, spec.shape), group.gather
     is_async = options.async_op
-    return lambda args: issued(run([as_list(args[1])], [args[0]], options), is_async)
+    return lambda args: returned(run([as_list(args[1])], [args[0]], options), is_async)
 
 
 def _build_scatter(
@@ -170,7 +170,7 @@ def _build_scatter(
         check_written(group, [("tensor", x)])
     as_list, run = views(scatter_list, group.world_size, spec.shape), group.scatter
     is_async = options.async_op
-    return lambda args: issued(run([args[0]], [as_list(args[1])], options), is_async)
+    return lambda args: returned(run([args[0]], [as_list(args[1])], options), is_async)
 
 
 def _build_alltoall(
@@ -183,7 +183,7 @@ def _build_alltoall(
         names = ("output_tensor_list", "input_tensor_list")
         options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
     run, is_async = group.alltoall, options.async_op
-    return lambda args: issued(run(list(args[0]), list(args[1]), options), is_async)
+    return lambda args: returned(run(list(args[0]), list(args[1]), options), is_async)
 
 
 def _build_alltoall_single(
@@ -220,7 +220,7 @@ def _build_alltoall_single(
 
     def launch(args: tuple[Any, Any]) -> Work | None:
         outputs, inputs = split_rows(args[0], out_sizes), split_rows(args[1], in_sizes)
-        return issued(run(outputs, inputs, options), is_async)
+        return returned(run(outputs, inputs, options), is_async)
 
     return launch
 

@@ -35,7 +35,7 @@ from collective.types import (
     ReduceOp,
     ReduceScatterOptions,
 )
-from collective.work import Work, issued
+from collective.work import Work, returned
 
 Builder = Callable[..., Launch]
 """Checks a call's arguments (all but the group and the key) and returns its launch."""
@@ -165,7 +165,7 @@ def build_allgather(
     as_list, run, is_async = views(tensor_list, n, spec.shape), group.allgather, options.async_op
 
     def launch(args: tuple[Any, Any]) -> Work | None:
-        return issued(run([as_list(args[0])], [args[1]], options), is_async)
+        return returned(run([as_list(args[0])], [args[1]], options), is_async)
 
     return launch
 
@@ -197,7 +197,7 @@ def build_reducescatter(
             copy = kinds.copy_of(output)
             for i in same:
                 inputs[i] = copy
-        return issued(run([output], [inputs], options), is_async)
+        return returned(run([output], [inputs], options), is_async)
 
     return launch
 
@@ -207,4 +207,4 @@ def build_barrier(group: BaseGroup, timeout: Any, async_op: Any) -> Launch:
     with checking(group, "barrier"):
         options = BarrierOptions(*arguments.check_call(timeout, async_op))
     run, is_async = group.barrier, options.async_op
-    return lambda args: issued(run(options), is_async)
+    return lambda args: returned(run(options), is_async)

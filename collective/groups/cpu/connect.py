@@ -1,7 +1,7 @@
 """How a CPU group connects at init: which ranks share a node, and which transports to start.
 
 Every rank publishes its node, its pid and whether it can use shared memory
-(``topology.exchange``); every rank then derives the same plan from what all
+(``topology.exchange``); every rank then derives the same choice from what all
 published, so the ranks never disagree:
 
 - ranks on one node (or a group of one): the node's arena; no Gloo at all;
@@ -167,7 +167,7 @@ def _map_arena(
     try:
         if topo.is_leader:
             try:
-                layout = Layout.plan(len(local), slot_bytes)
+                layout = Layout.for_ranks(len(local), slot_bytes)
                 found.arena = shm_arena.create(layout)
             except (OSError, ValueError) as exc:
                 failure = f"the arena could not be created on rank {member.rank}: {exc}"
@@ -179,7 +179,7 @@ def _map_arena(
             published = json.loads(store.get(key, member.timeout))
             if "failure" in published:
                 return str(published["failure"])
-            layout = Layout.plan(len(local), published["slot_bytes"])
+            layout = Layout.for_ranks(len(local), published["slot_bytes"])
             found.arena = shm_arena.attach(published["path"], layout)
     except (OSError, ValueError) as exc:
         return f"the arena could not be mapped on rank {member.rank}: {exc}"

@@ -1,7 +1,7 @@
 """CpuGroup: the CPU backend; shared memory inside a node, Gloo between nodes, picked at init.
 
-Each op runs on the transports that ``CpuGroupBase`` connected: over Gloo alone
-when the group was forced to it, else through the op plan (``plans``) of shared
+Each op runs on the transports that ``CpuRunning`` connected: over Gloo alone
+when the group was forced to it, else through the route (``routes``) of shared
 memory inside the node and Gloo between nodes' leaders. The ops that have no
 hierarchical form (gather, scatter, alltoall) and send/recv between nodes go over
 the group's full Gloo group.
@@ -17,12 +17,12 @@ import numpy as np
 
 from collective.frameworks.bytelist import ByteList
 from collective.frameworks.cpu_buffers import CpuBuffer, plain_flat
-from collective.groups.cpu.base import CpuGroupBase
-from collective.groups.cpu.plans import Flat, Hierarchy
+from collective.groups.cpu.routes import Flat, Hierarchy
+from collective.groups.cpu.running import CpuRunning
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.gloo.work import buffer_list, commit_all, one_buffer
 from collective.groups.launches import Launch
-from collective.groups.shm.mail import Mail
+from collective.groups.shm.sendrecv import SendRecv
 from collective.signature import dtype_code
 from collective.types import (
     AllGatherOptions,
@@ -44,13 +44,13 @@ _SHORT_OPS = frozenset(("allreduce", "reduce", "broadcast"))
 """The ops the short path runs."""
 
 
-class CpuGroup(CpuGroupBase):
+class CpuGroup(CpuRunning):
     """A group of CPU ranks: shared memory among ranks of a node, Gloo between nodes."""
 
-    def _planned(self) -> Flat | Hierarchy:
-        if self._plan is None:
+    def _routed(self) -> Flat | Hierarchy:
+        if self._route is None:
             raise CollectiveError(f"group {self.group_name!r} has been destroyed")
-        return self._plan
+        return self._route
 
     def build(self, op: str, x: Any, options: Any) -> tuple[Launch, bool]:
         """Return the short path's launch where it takes the call, else the general one's.
@@ -78,8 +78,8 @@ class CpuGroup(CpuGroupBase):
         if flat is None:
             return None
         root = getattr(options, "root_rank", -1)
-        plan = short.plan(op, flat, getattr(options, "reduce_op", None), root)
-        if plan is None:
+        prepared = short.prepare(op, flat, getattr(options, "reduce_op", None), root)
+        if prepared is None:
             return None
         run = getattr(short, op)
         numpy = type(x) is np.ndarray
@@ -101,7 +101,7 @@ class CpuGroup(CpuGroupBase):
                 general(x)
                 return
             try:
-                run(plan, x.ravel() if numpy else x.numpy().ravel(), time.monotonic() + seconds)
+                run(prepared, x.ravel() if numpy else x.numpy().ravel(), time.monotonic() + seconds)
             except BaseException as exc:
                 self._raise_failure(op, timeout, exc)
             finally:
@@ -113,10 +113,10 @@ class CpuGroup(CpuGroupBase):
         """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""
         if self._gloo is not None:
             return self._gloo.allreduce(tensors, options)
-        buf, plan = one_buffer(tensors, "tensor", True), self._planned()
+        buf, route = one_buffer(tensors, "tensor", True), self._routed()
 
         def body(deadline: float) -> None:
-            plan.allreduce(buf, options.reduce_op, deadline)
+            route.allreduce(buf, options.reduce_op, deadline)
             buf.commit()
 
         return self._submit("allreduce", options, body)
@@ -125,17 +125,17 @@ class CpuGroup(CpuGroupBase):
         """Block until every rank has entered the barrier."""
         if self._gloo is not None:
             return self._gloo.barrier(options)
-        return self._submit("barrier", options, self._planned().barrier)
+        return self._submit("barrier", options, self._routed().barrier)
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
         if self._gloo is not None:
             return self._gloo.reduce(tensors, options)
         root = options.root_rank
-        buf, plan = one_buffer(tensors, "tensor", self.rank == root), self._planned()
+        buf, route = one_buffer(tensors, "tensor", self.rank == root), self._routed()
 
         def body(deadline: float) -> None:
-            plan.reduce(buf, options.reduce_op, root, deadline)
+            route.reduce(buf, options.reduce_op, root, deadline)
             buf.commit()
 
         return self._submit("reduce", options, body)
@@ -145,10 +145,10 @@ class CpuGroup(CpuGroupBase):
         if self._gloo is not None:
             return self._gloo.broadcast(tensors, options)
         root = options.root_rank
-        buf, plan = one_buffer(tensors, "tensor", self.rank != root), self._planned()
+        buf, route = one_buffer(tensors, "tensor", self.rank != root), self._routed()
 
         def body(deadline: float) -> None:
-            plan.broadcast(buf, root, deadline)
+            route.broadcast(buf, root, deadline)
             buf.commit()
 
         return self._submit("broadcast", options, body)
@@ -156,7 +156,7 @@ class CpuGroup(CpuGroupBase):
     @property
     def takes_lists(self) -> bool:
         """Return whether every rank is on this node and moves bytes through shared memory."""
-        return self._gloo is None and isinstance(self._plan, Flat)
+        return self._gloo is None and isinstance(self._route, Flat)
 
     def broadcast_list(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's ``tensors`` into every other rank's, in order, as one message.
@@ -164,8 +164,8 @@ class CpuGroup(CpuGroupBase):
         See ``BaseGroup.broadcast_list``. A tensor that is not contiguous moves
         through a contiguous copy of its own; a ``ByteList`` moves as it is.
         """
-        plan = self._plan
-        if self._gloo is not None or not isinstance(plan, Flat):
+        route = self._route
+        if self._gloo is not None or not isinstance(route, Flat):
             return super().broadcast_list(tensors, options)
         root = options.root_rank
         writes = self.rank != root
@@ -182,7 +182,7 @@ class CpuGroup(CpuGroupBase):
         message = tensors if isinstance(tensors, ByteList) else datas
 
         def body(deadline: float) -> None:
-            plan.broadcast_list(message, root, deadline)
+            route.broadcast_list(message, root, deadline)
             commit_all(staged)
 
         return self._submit("broadcast", options, body)
@@ -197,10 +197,10 @@ class CpuGroup(CpuGroupBase):
         if self._gloo is not None:
             return self._gloo.allgather(tensor_lists, tensors, options)
         source = one_buffer(tensors, "tensor", False)
-        outputs, plan = buffer_list(tensor_lists, "tensor_list", True), self._planned()
+        outputs, route = buffer_list(tensor_lists, "tensor_list", True), self._routed()
 
         def body(deadline: float) -> None:
-            plan.allgather(source, outputs, deadline)
+            route.allgather(source, outputs, deadline)
             commit_all(outputs)
 
         return self._submit("allgather", options, body)
@@ -215,10 +215,10 @@ class CpuGroup(CpuGroupBase):
         if self._gloo is not None:
             return self._gloo.reducescatter(tensors, tensor_lists, options)
         output = one_buffer(tensors, "tensor", True)
-        inputs, plan = buffer_list(tensor_lists, "tensor_list", False), self._planned()
+        inputs, route = buffer_list(tensor_lists, "tensor_list", False), self._routed()
 
         def body(deadline: float) -> None:
-            plan.reducescatter(output, inputs, options.reduce_op, deadline)
+            route.reducescatter(output, inputs, options.reduce_op, deadline)
             output.commit()
 
         return self._submit("reducescatter", options, body)
@@ -234,12 +234,12 @@ class CpuGroup(CpuGroupBase):
         if gloo is not None:
             return gloo.gather(tensor_lists, tensors, options)
         source = one_buffer(tensors, "tensor", False)
-        outputs, plan = buffer_list(tensor_lists, "gather_list", True), self._planned()
-        if not isinstance(plan, Flat):
+        outputs, route = buffer_list(tensor_lists, "gather_list", True), self._routed()
+        if not isinstance(route, Flat):
             raise CollectiveError("gather across nodes goes over Gloo")
 
         def body(deadline: float) -> None:
-            plan.gather(source, outputs, options.root_rank, deadline)
+            route.gather(source, outputs, options.root_rank, deadline)
             commit_all(outputs)
 
         return self._submit("gather", options, body)
@@ -255,12 +255,12 @@ class CpuGroup(CpuGroupBase):
         if gloo is not None:
             return gloo.scatter(tensors, tensor_lists, options)
         output = one_buffer(tensors, "tensor", True)
-        inputs, plan = buffer_list(tensor_lists, "scatter_list", False), self._planned()
-        if not isinstance(plan, Flat):
+        inputs, route = buffer_list(tensor_lists, "scatter_list", False), self._routed()
+        if not isinstance(route, Flat):
             raise CollectiveError("scatter across nodes goes over Gloo")
 
         def body(deadline: float) -> None:
-            plan.scatter(output, inputs, options.root_rank, deadline)
+            route.scatter(output, inputs, options.root_rank, deadline)
             output.commit()
 
         return self._submit("scatter", options, body)
@@ -273,27 +273,27 @@ class CpuGroup(CpuGroupBase):
         if gloo is not None:
             return gloo.alltoall(outputs, inputs, options)
         outs = buffer_list([outputs], "output", True)
-        ins, plan = buffer_list([inputs], "input", False), self._planned()
-        if not isinstance(plan, Flat):
+        ins, route = buffer_list([inputs], "input", False), self._routed()
+        if not isinstance(route, Flat):
             raise CollectiveError("alltoall across nodes goes over Gloo")
 
         def body(deadline: float) -> None:
-            plan.alltoall(outs, ins, deadline)
+            route.alltoall(outs, ins, deadline)
             commit_all(outs)
 
         return self._submit("alltoall", options, body)
 
-    def _peer_mail(self, peer: int) -> Mail | None:
+    def _peer_sendrecv(self, peer: int) -> SendRecv | None:
         """Return the mailboxes to ``peer`` when it shares this rank's node, else None."""
         topo = self._topology
-        if self._mail is None or topo is None or peer not in topo.local_ranks:
+        if self._sendrecv is None or topo is None or peer not in topo.local_ranks:
             return None
-        return self._mail
+        return self._sendrecv
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Send the tensor to ``options.dst_rank``; completes once it has been handed over."""
         peer = options.dst_rank
-        mail = self._peer_mail(peer)
+        mail = self._peer_sendrecv(peer)
         if mail is None:
             return self._tcp().send(tensors, options)
         buf, local = one_buffer(tensors, "tensor", False), self._local_rank(peer)
@@ -306,7 +306,7 @@ class CpuGroup(CpuGroupBase):
     def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
         """Receive from ``options.src_rank`` into the tensor, in place."""
         peer = options.src_rank
-        mail = self._peer_mail(peer)
+        mail = self._peer_sendrecv(peer)
         if mail is None:
             return self._tcp().recv(tensors, options)
         buf, local = one_buffer(tensors, "tensor", True), self._local_rank(peer)

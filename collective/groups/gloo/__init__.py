@@ -1,6 +1,6 @@
 """GlooGroup: one torch ``ProcessGroupGloo`` per group, built from a store.
 
-``base`` connects the ranks and runs, fails and ends ops; ``group`` holds the ops;
+``running`` connects the ranks and runs, fails and ends ops; ``group`` holds the ops;
 ``agree`` is what the ranks compare before an op; ``work`` and ``reducescatter`` the
 pieces of running one.
 """

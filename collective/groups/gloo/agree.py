@@ -7,7 +7,7 @@ each rank describes its call (``Call``) in ``WIDTH`` int64 words, the ranks
 allgather them in one record each, and every rank compares all of them
 (``disagreement``). Alltoall then allgathers each rank's elements per peer. A send
 goes out behind a header of its dtype and size, which the receiver compares with
-its own buffer (``Header``). ``base`` runs these exchanges.
+its own buffer (``Header``). ``running`` runs these exchanges.
 
 A record has room for ``capacity(world_size)`` bytes of data besides the words.
 An op whose data fits (``Carried``) rides in it: once the ranks agree, each one

@@ -1,4 +1,4 @@
-"""GlooGroup: the ops over one torch ``ProcessGroupGloo`` per group (see ``base``)."""
+"""GlooGroup: the ops over one torch ``ProcessGroupGloo`` per group (see ``running``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from collective.groups.gloo.agree import (
     message_mismatch,
     on_buffer,
 )
-from collective.groups.gloo.base import GlooGroupBase
 from collective.groups.gloo.reducescatter import (
     ChunkExchange,
     Scratch,
@@ -27,6 +26,7 @@ from collective.groups.gloo.reducescatter import (
     joined_bytes,
     reduce_into,
 )
+from collective.groups.gloo.running import GlooRunning
 from collective.groups.gloo.work import (
     Completion,
     Sequenced,
@@ -56,7 +56,7 @@ from collective.work import CompletedWork, Work
 _P2P_TAG = 0
 
 
-class GlooGroup(GlooGroupBase):
+class GlooGroup(GlooRunning):
     """A group of CPU ranks connected by torch's ``ProcessGroupGloo``.
 
     Each op starts one gloo call on the caller's buffers, or on staged copies of

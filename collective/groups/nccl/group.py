@@ -3,9 +3,9 @@
 allreduce, reduce and broadcast are one NCCL call per device. allgather and
 reducescatter are grouped broadcasts and reduces straight into the caller's
 buffers, so no staging buffer is allocated. gather, scatter, alltoall, send and
-recv come from ``p2p``; communicators, streams and launching from
-``base``. Each op builds its plan, the NCCL calls it makes with their
-arguments, which the launcher then issues as one NCCL group.
+recv come from ``p2p``; communicators and streams from
+``lifecycle``, launching from ``running``. Each op builds its device calls, the NCCL
+calls it makes with their arguments, which the launch then issues as one NCCL group.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, consecutive, per_device
-from collective.groups.nccl.launch import Plan, Step
+from collective.groups.nccl.launch import DeviceCalls, NcclCall
+from collective.groups.nccl.lifecycle import Communicators
 from collective.groups.nccl.p2p import NcclPointToPoint
 from collective.groups.nccl.running import OpParts
 from collective.types import (
@@ -34,16 +34,16 @@ class NCCLGroup(NcclPointToPoint):
     """A group of GPU ranks connected by NCCL through ``cupy.cuda.nccl``."""
 
     def _allreduce_parts(self, tensors: Sequence[Any], options: AllReduceOptions) -> OpParts:
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             bufs = per_device(tensors, "tensor_list")
             self.check_reduce_op(options.reduce_op, bufs[0].dtype)
             op = NCCL_REDUCE_OPS[options.reduce_op]
 
-            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(i: int, comm: Any, stream: int) -> list[NcclCall]:
                 b = bufs[i]
                 return [(comm.allReduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, stream))]
 
-            return tensors, self._comms_of(bufs), plan
+            return tensors, self._comms_of(bufs), device_calls
 
         return (options.reduce_op._value_,), builder, (-1, options.reduce_op)
 
@@ -67,17 +67,17 @@ class NCCLGroup(NcclPointToPoint):
         return work
 
     def _reduce_parts(self, tensors: Sequence[Any], options: ReduceOptions) -> OpParts:
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             bufs = per_device(tensors, "tensor_list")
             self.check_reduce_op(options.reduce_op, bufs[0].dtype)
             op = NCCL_REDUCE_OPS[options.reduce_op]
             root = options.root_rank * len(bufs) + options.root_tensor
 
-            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(i: int, comm: Any, stream: int) -> list[NcclCall]:
                 b = bufs[i]
                 return [(comm.reduce, (b.ptr, b.ptr, b.count, b.nccl_dtype, op, root, stream))]
 
-            return tensors, self._comms_of(bufs), plan
+            return tensors, self._comms_of(bufs), device_calls
 
         extra = (options.reduce_op._value_, options.root_rank, options.root_tensor)
         return extra, builder, (options.root_rank, options.reduce_op)
@@ -88,15 +88,15 @@ class NCCLGroup(NcclPointToPoint):
         return self._op("reduce", options, tensors, tensors, *parts)
 
     def _broadcast_parts(self, tensors: Sequence[Any], options: BroadcastOptions) -> OpParts:
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             bufs = per_device(tensors, "tensor_list")
             root = options.root_rank * len(bufs) + options.root_tensor
 
-            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(i: int, comm: Any, stream: int) -> list[NcclCall]:
                 b = bufs[i]
                 return [(comm.broadcast, (b.ptr, b.ptr, b.count, b.nccl_dtype, root, stream))]
 
-            return tensors, self._comms_of(bufs), plan
+            return tensors, self._comms_of(bufs), device_calls
 
         extra = (options.root_rank, options.root_tensor)
         return extra, builder, (options.root_rank, None)
@@ -119,7 +119,7 @@ class NCCLGroup(NcclPointToPoint):
         its tensors.
         """
 
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             ins = per_device(tensors, "input_tensor_list")
             n = len(ins)
             if len(tensor_lists) != n:
@@ -130,7 +130,7 @@ class NCCLGroup(NcclPointToPoint):
                 for i in range(n)
             ]
 
-            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(i: int, comm: Any, stream: int) -> list[NcclCall]:
                 me, b = self.rank * n + i, ins[i]
                 if consecutive(outs[i]):
                     return [
@@ -144,7 +144,7 @@ class NCCLGroup(NcclPointToPoint):
                     for j, out in enumerate(outs[i])
                 ]
 
-            return tensors, self._comms_of(ins), plan
+            return tensors, self._comms_of(ins), device_calls
 
         flat = [x for xs in tensor_lists for x in xs]
         shape = tuple(len(xs) for xs in tensor_lists)
@@ -164,7 +164,7 @@ class NCCLGroup(NcclPointToPoint):
         lists are only read.
         """
 
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             outs = per_device(tensors, "output_tensor_list")
             n = len(outs)
             if len(tensor_lists) != n:
@@ -176,7 +176,7 @@ class NCCLGroup(NcclPointToPoint):
                 for i in range(n)
             ]
 
-            def plan(i: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(i: int, comm: Any, stream: int) -> list[NcclCall]:
                 out = outs[i]
                 if consecutive(ins[i]):
                     first = ins[i][0].ptr
@@ -191,7 +191,7 @@ class NCCLGroup(NcclPointToPoint):
                     for j, source in enumerate(ins[i])
                 ]
 
-            return tensors, self._comms_of(outs), plan
+            return tensors, self._comms_of(outs), device_calls
 
         flat = [x for xs in tensor_lists for x in xs]
         extra = (options.reduce_op._value_, *(len(xs) for xs in tensor_lists))

@@ -2,7 +2,7 @@
 
 An op's launch depends only on its call signature: the op, each buffer's address,
 dtype, shape, strides and device, the caller's stream, the root, the reduction and
-whether it is async. ``NCCLGroupBase`` keeps launches in a bounded cache under that
+whether it is async. ``NcclLifecycle`` keeps launches in a bounded cache under that
 key, so a repeated call does one dict lookup and the NCCL calls themselves: nothing
 is checked, described or built again.
 
@@ -21,11 +21,11 @@ from collective.groups.nccl.comm import discard_group
 from collective.groups.nccl.mismatch import Check
 from collective.groups.nccl.watchdog import Marker
 
-Step = tuple[Callable[..., Any], tuple[Any, ...]]
-"""One call of an op's plan: a bound method of a communicator (or cupy's runtime), its arguments."""
+NcclCall = tuple[Callable[..., Any], tuple[Any, ...]]
+"""One NCCL call of an op: a bound method of a communicator (or cupy's runtime), its arguments."""
 
-Plan = Callable[[int, Any, int], list[Step]]
-"""Returns device i's calls: ``plan(i, communicator, stream_handle)``."""
+DeviceCalls = Callable[[int, Any, int], list[NcclCall]]
+"""Returns device i's calls: ``device_calls(i, communicator, stream_handle)``."""
 
 LAUNCHES_KEPT = 256
 """How many launches a group keeps; the oldest goes first."""
@@ -54,12 +54,12 @@ class Launch:
 
     op: str
     devices: tuple[int, ...]
-    calls: tuple[tuple[Step, ...], ...]
+    calls: tuple[tuple[NcclCall, ...], ...]
     streams: tuple[int, ...]
     """The stream each device's calls run on: the caller's (blocking) or a comm stream."""
     markers: tuple[Marker, ...]
     """The watchdog's marker of each of ``streams``."""
-    single: Step | None
+    single: NcclCall | None
     signed: Signed | None = None
     """The op's signature check, issued just ahead of it; None for ops not checked."""
 
@@ -91,13 +91,14 @@ def build(
     devices: tuple[int, ...],
     comms: list[Any],
     streams: tuple[int, ...],
-    plan: Plan,
+    device_calls: DeviceCalls,
     markers: tuple[Marker, ...],
     signed: Signed | None = None,
 ) -> Launch:
-    """Return the launch of ``plan`` on ``comms``, device i's calls on ``streams[i]``."""
+    """Return the launch of ``device_calls`` on ``comms``, device i's calls on ``streams[i]``."""
     calls = tuple(
-        tuple(plan(i, comm, s)) for i, (comm, s) in enumerate(zip(comms, streams, strict=True))
+        tuple(device_calls(i, comm, s))
+        for i, (comm, s) in enumerate(zip(comms, streams, strict=True))
     )
     single = None
     if (

@@ -12,9 +12,9 @@ from typing import Any
 
 from collective.frameworks import cuda_buffers
 from collective.frameworks.cuda_buffers import CudaBuffer
-from collective.groups.nccl.base import Communicators
 from collective.groups.nccl.comm import buffers_on, per_device
-from collective.groups.nccl.launch import Plan, Step
+from collective.groups.nccl.launch import DeviceCalls, NcclCall
+from collective.groups.nccl.lifecycle import Communicators
 from collective.groups.nccl.running import NcclRunning, OpParts
 from collective.types import (
     AllToAllOptions,
@@ -44,7 +44,7 @@ class NcclPointToPoint(NcclRunning):
     ) -> OpParts:
         """Describe a send or recv; the lower endpoint ``(rank, gpu index)`` is NCCL rank 0."""
 
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             if len(tensors) != 1:
                 raise ArgumentValueError(f"{op} takes one tensor, got {len(tensors)}")
             b = cuda_buffers.cuda_buffer(tensors[0], "tensor")
@@ -60,10 +60,10 @@ class NcclPointToPoint(NcclRunning):
                 key = ("p2p", low, high)
                 return self._communicators(key, store_key, [b.device], 2, [mine], timeout)
 
-            def plan(_: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(_: int, comm: Any, stream: int) -> list[NcclCall]:
                 return [(getattr(comm, op), (b.ptr, count, b.nccl_dtype, 1 - mine, stream))]
 
-            return tensors, communicators, plan
+            return tensors, communicators, device_calls
 
         return (peer, gpu, options.n_elements), builder, None
 
@@ -81,8 +81,8 @@ class NcclPointToPoint(NcclRunning):
         """Receive into the tensor, in place, from GPU ``src_gpu_index`` of the peer."""
         return self._p2p("recv", tensors, options, options.src_rank, options.src_gpu_index)
 
-    def _copy(self, dst: CudaBuffer, src: CudaBuffer, stream: int) -> Step:
-        """Return the plan step that copies ``src`` into ``dst`` on ``stream``."""
+    def _copy(self, dst: CudaBuffer, src: CudaBuffer, stream: int) -> NcclCall:
+        """Return the call that copies ``src`` into ``dst`` on ``stream``."""
         memcpy = self._cuda.runtime.memcpyAsync
         return (memcpy, (dst.ptr, src.ptr, src.nbytes, _DEVICE_TO_DEVICE, stream))
 
@@ -95,13 +95,13 @@ class NcclPointToPoint(NcclRunning):
         """Write rank j's tensor into element j of the root's list; grouped send/recv."""
         root, on_root = options.root_rank, self.rank == options.root_rank
 
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             source = per_device(tensors, "tensor")[0]
             length = self.world_size if on_root else 0
             first = tensor_lists[0] if tensor_lists else []
             outs = buffers_on(first, "gather_list", source, length)
 
-            def plan(_: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(_: int, comm: Any, stream: int) -> list[NcclCall]:
                 if not on_root:
                     return [
                         (comm.send, (source.ptr, source.count, source.nccl_dtype, root, stream))
@@ -113,7 +113,7 @@ class NcclPointToPoint(NcclRunning):
                     for j, out in enumerate(outs)
                 ]
 
-            return tensors, self._comms_of([source]), plan
+            return tensors, self._comms_of([source]), device_calls
 
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
@@ -129,12 +129,12 @@ class NcclPointToPoint(NcclRunning):
         """Write element j of the root's list into rank j's tensor; grouped send/recv."""
         root, on_root = options.root_rank, self.rank == options.root_rank
 
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             out = per_device(tensors, "tensor")[0]
             length = self.world_size if on_root else 0
             ins = buffers_on(tensor_lists[0] if tensor_lists else [], "scatter_list", out, length)
 
-            def plan(_: int, comm: Any, stream: int) -> list[Step]:
+            def device_calls(_: int, comm: Any, stream: int) -> list[NcclCall]:
                 if not on_root:
                     return [(comm.recv, (out.ptr, out.count, out.nccl_dtype, root, stream))]
                 return [
@@ -144,7 +144,7 @@ class NcclPointToPoint(NcclRunning):
                     for j, source in enumerate(ins)
                 ]
 
-            return tensors, self._comms_of([out]), plan
+            return tensors, self._comms_of([out]), device_calls
 
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
@@ -156,7 +156,7 @@ class NcclPointToPoint(NcclRunning):
     ) -> Work:
         """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j; grouped send/recv."""
 
-        def builder() -> tuple[Sequence[Any], Communicators, Plan]:
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             if len(outputs) != self.world_size or len(inputs) != self.world_size:
                 raise ArgumentValueError(
                     f"alltoall takes {self.world_size} outputs and inputs, "
@@ -180,19 +180,19 @@ class NcclPointToPoint(NcclRunning):
                     f"share) must hold as many elements, got {outs[me].count} and {ins[me].count}"
                 )
 
-            def plan(_: int, comm: Any, stream: int) -> list[Step]:
-                steps = []
+            def device_calls(_: int, comm: Any, stream: int) -> list[NcclCall]:
+                calls = []
                 for j, (out, source) in enumerate(zip(outs, ins, strict=True)):
                     if j == me:
-                        steps.append(self._copy(out, source, stream))
+                        calls.append(self._copy(out, source, stream))
                         continue
-                    steps.append(
+                    calls.append(
                         (comm.send, (source.ptr, source.count, source.nccl_dtype, j, stream))
                     )
-                    steps.append((comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream)))
-                return steps
+                    calls.append((comm.recv, (out.ptr, out.count, out.nccl_dtype, j, stream)))
+                return calls
 
-            return [outputs[0]], self._comms_of([outs[0]]), plan
+            return [outputs[0]], self._comms_of([outs[0]]), device_calls
 
         extra = (len(outputs), len(inputs))
         buffers = [*outputs, *inputs]

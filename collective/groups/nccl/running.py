@@ -35,9 +35,9 @@ from typing import Any
 
 from collective.frameworks import cuda_buffers
 from collective.groups.launches import Launch as PublicLaunch
-from collective.groups.nccl.base import Builder, NCCLGroupBase
 from collective.groups.nccl.cuda import NcclWork, follow, record, settled
 from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
+from collective.groups.nccl.lifecycle import Builder, NcclLifecycle
 from collective.types import CollectiveError, ReduceOp
 from collective.work import Work
 
@@ -48,7 +48,7 @@ Parts = Callable[[Sequence[Any], Any], OpParts]
 """Returns a one-buffer op's ``OpParts`` for ``(tensors, options)``."""
 
 
-class NcclRunning(NCCLGroupBase):
+class NcclRunning(NcclLifecycle):
     """Runs each op through its cached launch; ``p2p`` and ``group`` describe the ops."""
 
     def _event(self, device: int) -> Any:
@@ -68,23 +68,23 @@ class NcclRunning(NCCLGroupBase):
         op: str,
         options: Any,
         buffers: Sequence[Any],
-        anchors: Sequence[Any],
+        device_buffers: Sequence[Any],
         extra: tuple[Any, ...],
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None = None,
     ) -> Work:
         """Run ``op`` through its cached launch, building it on the first call of its signature.
 
-        ``buffers`` holds every caller buffer the op reads or writes, ``anchors`` one
+        ``buffers`` holds every caller buffer the op reads or writes, ``device_buffers`` one
         per device, whose current streams the op runs on (or follows); ``extra`` the
         arguments besides the buffers that change the calls (root, reduction);
         ``signed`` the root and reduction of a collective whose signature the ranks
         compare (see ``mismatch``), None for an op they do not.
         """
         timeout = options.timeout or self.timeout
-        launch, _ = self._launch(op, options, buffers, anchors, extra, builder, signed)
+        launch, _ = self._launch(op, options, buffers, device_buffers, extra, builder, signed)
         if options.async_op:
-            return self._run_async(launch, timeout, anchors, buffers)
+            return self._run_async(launch, timeout, device_buffers, buffers)
         self._run(launch, timeout)
         return DONE
 
@@ -93,7 +93,7 @@ class NcclRunning(NCCLGroupBase):
         op: str,
         options: Any,
         buffers: Sequence[Any],
-        anchors: Sequence[Any],
+        device_buffers: Sequence[Any],
         extra: tuple[Any, ...],
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None = None,
@@ -104,7 +104,7 @@ class NcclRunning(NCCLGroupBase):
             options.async_op,
             extra,
             tuple(map(cuda_buffers.buffer_key, buffers)),
-            tuple(map(cuda_buffers.current_stream, anchors)),
+            tuple(map(cuda_buffers.current_stream, device_buffers)),
         )
         launch = self._launches.get(key)
         if launch is not None:
@@ -160,8 +160,8 @@ class NcclRunning(NCCLGroupBase):
         no marker and no signature check, and it is not kept (a later call outside the
         capture builds one that has both).
         """
-        anchors, communicators, plan = builder()
-        devices = tuple(cuda_buffers.cuda_buffer(a, "tensor").device for a in anchors)
+        device_buffers, communicators, device_calls = builder()
+        devices = tuple(cuda_buffers.cuda_buffer(a, "tensor").device for a in device_buffers)
         with self._op_lock:
             self._check_usable(self._destroyed)
             try:
@@ -184,9 +184,9 @@ class NcclRunning(NCCLGroupBase):
                     and len(devices) == 1
                     and not capturing
                 ):
-                    first = (anchors[0], devices[0], comms[0], streams[0])
+                    first = (device_buffers[0], devices[0], comms[0], streams[0])
                     check = self._signed(op, *first, *signed)
-                launch = build(op, devices, comms, streams, plan, markers, check)
+                launch = build(op, devices, comms, streams, device_calls, markers, check)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
             kept = None not in key[3] and not capturing
@@ -228,11 +228,15 @@ class NcclRunning(NCCLGroupBase):
                     self._watch.issued(marker, launch.op, timeout)
 
     def _run_async(
-        self, launch: Launch, timeout: timedelta, anchors: Sequence[Any], buffers: Sequence[Any]
+        self,
+        launch: Launch,
+        timeout: timedelta,
+        device_buffers: Sequence[Any],
+        buffers: Sequence[Any],
     ) -> Work:
         """Issue an async op's launch on the comm streams, after the callers' streams."""
         cuda = self._cuda
-        callers = [cuda_buffers.current_stream(a) for a in anchors]
+        callers = [cuda_buffers.current_stream(a) for a in device_buffers]
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)

@@ -102,7 +102,7 @@ class Layout:
     mail_nbuf: int = 2
 
     @classmethod
-    def plan(cls, local_size: int, slot_bytes: int | None = None) -> Layout:
+    def for_ranks(cls, local_size: int, slot_bytes: int | None = None) -> Layout:
         """Return the layout for ``local_size`` ranks within the default budgets.
 
         Args:

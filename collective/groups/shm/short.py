@@ -11,8 +11,8 @@ reduces with the ufuncs of ``Reducer`` in the general path's order, so every ran
 gets the general path's bits.
 
 It takes a flat view of a plain buffer (see ``frameworks.plain_flat``) of a dtype and
-a reduction the group accepts; ``plan`` says None for anything else. The CPU group
-makes a call's plan once, when it builds the call's launch (see ``calls``), after
+a reduction the group accepts; ``prepare`` says None for anything else. The CPU group
+prepares a call once, when it builds the call's launch (see ``collective.ops.calls``), after
 the call's checks; the launch then runs the op with it.
 """
 
@@ -32,16 +32,16 @@ from collective.types import ReduceOp
 SHORT_BYTES = 64 << 10
 """The largest message this path takes (never more than a slot)."""
 
-MAX_PLANS = 64
-"""Plans kept at most; the cache starts afresh when a new one would exceed this."""
+MAX_PREPARED = 64
+"""Prepared calls kept at most; the cache starts afresh when a new one would exceed this."""
 
 
-PlanKey = tuple[str, np.dtype, int, "ReduceOp | None", int]
-"""(op, dtype, element count, reduction or None, root or -1): what one plan serves."""
+PreparedKey = tuple[str, np.dtype, int, "ReduceOp | None", int]
+"""(op, dtype, element count, reduction or None, root or -1): what one prepared call serves."""
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Prepared:
     """What one op on one dtype, element count, reduction and root needs, made once."""
 
     word: int
@@ -69,72 +69,74 @@ class ShortOps:
         self._world_size = world_size
         self._accepts = accepts
         self._limit = min(SHORT_BYTES, steps.slot_bytes)
-        self._plans: dict[PlanKey, _Plan | None] = {}
+        self._prepared: dict[PreparedKey, _Prepared | None] = {}
 
-    def plan(self, kind: str, flat: np.ndarray, op: ReduceOp | None, root: int) -> _Plan | None:
-        """Return the plan of ``kind`` on buffers like ``flat``; None if this path does not take it.
+    def prepare(
+        self, kind: str, flat: np.ndarray, op: ReduceOp | None, root: int
+    ) -> _Prepared | None:
+        """Return the prepared call of ``kind`` on buffers like ``flat``; None if not taken here.
 
         It does not take a message longer than ``SHORT_BYTES`` or of a dtype or
         reduction the group does not accept. ``root`` is -1 for allreduce.
         """
         key = (kind, flat.dtype, flat.size, op, root)
-        plan = self._plans.get(key)
-        if plan is None and key not in self._plans:
-            plan = self._prepare(key)
-        return plan
+        prepared = self._prepared.get(key)
+        if prepared is None and key not in self._prepared:
+            prepared = self._prepare(key)
+        return prepared
 
-    def allreduce(self, plan: _Plan, flat: np.ndarray, deadline: float) -> None:
-        """Reduce every rank's ``flat`` into every rank's ``flat`` in place, as ``plan`` says.
+    def allreduce(self, prepared: _Prepared, flat: np.ndarray, deadline: float) -> None:
+        """Reduce every rank's ``flat`` into every rank's ``flat`` in place, as ``prepared`` says.
 
-        ``plan`` is the one ``plan`` gave for ``flat``'s dtype and length.
+        ``prepared`` is the one ``prepare`` gave for ``flat``'s dtype and length.
 
         Raises:
             TimeoutError, PeerDiedError, AbortedError, MismatchError: as ``Steps``.
 
         """
         steps = self._steps
-        step, parts = self._start(plan)
+        step, parts = self._start(prepared)
         self._give(step, parts, flat, deadline)
         steps.collect_all(step, deadline)
-        ufunc = plan.ufunc
+        ufunc = prepared.ufunc
         ufunc(parts[0], parts[1], out=flat)
         for part in parts[2:]:
             ufunc(flat, part, out=flat)
-        if plan.divisor:
-            np.divide(flat, plan.divisor, out=flat)
+        if prepared.divisor:
+            np.divide(flat, prepared.divisor, out=flat)
         steps.done(step)
 
-    def reduce(self, plan: _Plan, flat: np.ndarray, deadline: float) -> None:
+    def reduce(self, prepared: _Prepared, flat: np.ndarray, deadline: float) -> None:
         """Reduce every rank's ``flat`` into the root's, in place; raises as ``allreduce``.
 
-        The other ranks' ``flat`` is only read. The root is ``plan``'s, a local rank
+        The other ranks' ``flat`` is only read. The root is ``prepared``'s, a local rank
         the caller checked.
         """
-        root = plan.root
+        root = prepared.root
         steps = self._steps
-        step, parts = self._start(plan)
+        step, parts = self._start(prepared)
         if steps.rank != root:
             self._give(step, parts, flat, deadline)
             steps.confirm([root], step, deadline)
         else:
             steps.arrive(step, deadline)
             steps.collect_all(step, deadline)
-            ufunc = plan.ufunc
+            ufunc = prepared.ufunc
             for rank in steps.others:
                 ufunc(flat, parts[rank], out=flat)
-            if plan.divisor:
-                np.divide(flat, plan.divisor, out=flat)
+            if prepared.divisor:
+                np.divide(flat, prepared.divisor, out=flat)
         steps.done(step)
 
-    def broadcast(self, plan: _Plan, flat: np.ndarray, deadline: float) -> None:
+    def broadcast(self, prepared: _Prepared, flat: np.ndarray, deadline: float) -> None:
         """Copy the root's ``flat`` into every other rank's, in place; raises as ``allreduce``.
 
-        The root's ``flat`` is only read. The root is ``plan``'s, a local rank the
+        The root's ``flat`` is only read. The root is ``prepared``'s, a local rank the
         caller checked.
         """
-        root = plan.root
+        root = prepared.root
         steps = self._steps
-        step, parts = self._start(plan)
+        step, parts = self._start(prepared)
         if steps.rank == root:
             self._give(step, parts, flat, deadline)
             steps.confirm(steps.others, step, deadline)
@@ -144,12 +146,12 @@ class ShortOps:
             flat[...] = parts[root]
         steps.done(step)
 
-    def _start(self, plan: _Plan) -> tuple[int, list[np.ndarray]]:
-        """Begin ``plan``'s op; return its step and every rank's slot for that step."""
+    def _start(self, prepared: _Prepared) -> tuple[int, list[np.ndarray]]:
+        """Begin ``prepared``'s op; return its step and every rank's slot for that step."""
         steps = self._steps
-        steps.begin_signed(plan.word, plan.nbytes)
+        steps.begin_signed(prepared.word, prepared.nbytes)
         step = steps.next()
-        return step, plan.parts[step % steps.nbuf]
+        return step, prepared.parts[step % steps.nbuf]
 
     def _give(self, step: int, parts: list[np.ndarray], flat: np.ndarray, deadline: float) -> None:
         """Copy ``flat`` into this rank's slot of ``step`` once it is free, and post it."""
@@ -158,11 +160,11 @@ class ShortOps:
         parts[steps.rank][...] = flat
         steps.post(step)
 
-    def _prepare(self, key: PlanKey) -> _Plan | None:
-        """Make and keep the plan of ``key``; None (kept too) if this path does not take it."""
+    def _prepare(self, key: PreparedKey) -> _Prepared | None:
+        """Make and keep the prepared call of ``key``; None (kept too) if not taken here."""
         kind, dtype, count, op, root = key
         name = plain_dtype(dtype)
-        plan = None
+        prepared = None
         nbytes = count * dtype.itemsize
         if name is not None and nbytes <= self._limit and self._accepts(op, name):
             steps = self._steps
@@ -172,7 +174,7 @@ class ShortOps:
                 for b in range(steps.nbuf)
             ]
             divisor = self._world_size if op is ReduceOp.AVG else 0
-            plan = _Plan(
+            prepared = _Prepared(
                 steps.signature_word(signed),
                 nbytes,
                 None if op is None else UFUNCS[op],
@@ -180,20 +182,20 @@ class ShortOps:
                 parts,
                 root,
             )
-        if len(self._plans) >= MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
+        if len(self._prepared) >= MAX_PREPARED:
+            self._prepared.clear()
+        self._prepared[key] = prepared
+        return prepared
 
     def release(self) -> None:
         """Drop every view of the arena, so that it can be unmapped; no op may follow.
 
-        The plans' views are dropped in place: a plan still held elsewhere (a cached
+        The prepared calls' views are dropped in place: a prepared still held elsewhere (a cached
         launch, the traceback of an op that failed) holds none then.
         """
-        for plan in self._plans.values():
-            if plan is not None:
-                for views in plan.parts:
+        for prepared in self._prepared.values():
+            if prepared is not None:
+                for views in prepared.parts:
                     views.clear()
-                plan.parts.clear()
-        self._plans = {}
+                prepared.parts.clear()
+        self._prepared = {}

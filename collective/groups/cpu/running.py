@@ -18,14 +18,14 @@ from collective.frameworks.kinds import DTYPES
 from collective.groups import progress
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.connect import Member, Transports, connect
-from collective.groups.cpu.plans import Flat, Hierarchy
+from collective.groups.cpu.routes import Flat, Hierarchy
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.lanes import Lane, Task
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.arena import OP_SEQ
-from collective.groups.shm.mail import Mail, MessageMismatchError
+from collective.groups.shm.local_copies import LocalCopies
+from collective.groups.shm.sendrecv import MessageMismatchError, SendRecv
 from collective.groups.shm.short import ShortOps
-from collective.groups.shm.solo import Solo
 from collective.groups.shm.steps import MismatchError, Steps
 from collective.groups.shm.sync import AbortedError, PeerDiedError, StalledError, Waiter
 from collective.groups.watch import FailureWatch
@@ -46,7 +46,7 @@ _IDLE_S = 1.0
 """The longest destroy waits for ops running in other threads to give up."""
 
 
-class CpuGroupBase(BaseGroup):
+class CpuRunning(BaseGroup):
     """A CPU group's transports, and how its ops run, fail and end; ``CpuGroup`` adds the ops."""
 
     device_type = "cpu"
@@ -90,8 +90,8 @@ class CpuGroupBase(BaseGroup):
         self._waiter: Waiter | None = None
         self._steps: Steps | None = None
         self._short: ShortOps | None = None
-        self._mail: Mail | None = None
-        self._plan: Flat | Hierarchy | None = None
+        self._sendrecv: SendRecv | None = None
+        self._route: Flat | Hierarchy | None = None
         self._watch: FailureWatch | None = None
         self._lanes: dict[str, Lane] = {}
         member = Member(world_size, rank, group_name, store, timeout, host, self.options)
@@ -118,23 +118,23 @@ class CpuGroupBase(BaseGroup):
         return self._found.mode
 
     def _start_shm(self) -> None:
-        """Make the node's collectives and the op plan over the connected transports."""
+        """Make the node's collectives and the route of the ops over the connected transports."""
         found = self._found
         topo = found.topology
         if topo is None:
             raise CollectiveError("the group's topology is unknown")
-        local: Collectives | Solo = Solo()
+        local: Collectives | LocalCopies = LocalCopies()
         if found.arena is not None and found.liveness is not None:
             self._waiter = Waiter(found.arena, topo.local_rank, found.liveness, self._interrupted)
             self._steps = Steps(found.arena, topo.local_rank, self._waiter, topo.local_ranks)
-            self._mail = Mail(found.arena, topo.local_rank, self._waiter)
+            self._sendrecv = SendRecv(found.arena, topo.local_rank, self._waiter)
             local = Collectives(self._steps)
         if found.mode == "shm":
-            self._plan = Flat(local, self.world_size)
+            self._route = Flat(local, self.world_size)
             if self._steps is not None:
                 self._short = ShortOps(self._steps, self.world_size, self._accepts)
         else:
-            self._plan = Hierarchy(topo, local, found.leaders, self.world_size)
+            self._route = Hierarchy(topo, local, found.leaders, self.world_size)
 
     def _accepts(self, op: ReduceOp | None, dtype: str) -> bool:
         """Return whether the checks of an op pass ``op`` (None: no reduction) on ``dtype``."""
@@ -162,8 +162,8 @@ class CpuGroupBase(BaseGroup):
         for gloo in (self._found.gloo, self._found.full):
             if gloo is not None:
                 gloo.skip_agreement()
-        if isinstance(self._plan, Hierarchy):
-            self._plan.skip_agreement()
+        if isinstance(self._route, Hierarchy):
+            self._route.skip_agreement()
 
     @property
     def error(self) -> CollectiveError | None:
@@ -285,8 +285,8 @@ class CpuGroupBase(BaseGroup):
         if self._error is None:
             self._error = error
         self.launches.clear()
-        if self._waiter is not None and self._steps is not None and self._mail is not None:
-            self._waiter.abort(self._steps.all_counters() + self._mail.counters(), str(error))
+        if self._waiter is not None and self._steps is not None and self._sendrecv is not None:
+            self._waiter.abort(self._steps.all_counters() + self._sendrecv.counters(), str(error))
         if self._watch is not None:
             self._watch.report(str(error))
 
@@ -330,8 +330,8 @@ class CpuGroupBase(BaseGroup):
         """
         super().abort(reason)
         pending = any(lane.active() for lane in list(self._lanes.values()))
-        if self._waiter is not None and self._steps is not None and self._mail is not None:
-            counters = self._steps.all_counters() + self._mail.counters()
+        if self._waiter is not None and self._steps is not None and self._sendrecv is not None:
+            counters = self._steps.all_counters() + self._sendrecv.counters()
             if pending:
                 self._waiter.abort(counters, reason)
             else:
@@ -359,10 +359,10 @@ class CpuGroupBase(BaseGroup):
         if self._watch is not None:
             self._watch.stop()
         idle = all(lane.idle(_IDLE_S) for lane in lanes)
-        self._plan = None
+        self._route = None
         if idle:
-            for user in (self._waiter, self._steps, self._mail, self._short):
+            for user in (self._waiter, self._steps, self._sendrecv, self._short):
                 if user is not None:
                     user.release()
-            self._waiter, self._steps, self._mail, self._short = None, None, None, None
+            self._waiter, self._steps, self._sendrecv, self._short = None, None, None, None
             self._found.close_arena()

@@ -1,7 +1,7 @@
-"""Solo: the collectives of a rank alone on its node, as local copies without an arena.
+"""LocalCopies: the collectives of a rank alone on its node, as local copies without an arena.
 
 A group that spans nodes gives a node of one rank these ops in place of
-``algorithms.Collectives``, so the hierarchical plan runs the same code on every node.
+``algorithms.Collectives``, so the hierarchical route runs the same code on every node.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collective.groups.shm.algorithms import unpaired
 from collective.groups.shm.kernels import Reducer
 
 
-class Solo:
+class LocalCopies:
     """The same ops for a node where this rank is alone: local copies, no arena."""
 
     size = 1

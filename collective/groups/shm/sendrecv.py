@@ -36,7 +36,7 @@ def _pair_counter(arena: Arena, sender: int, receiver: int, word: int, owner: in
     )
 
 
-class Mail:
+class SendRecv:
     """One local rank's sends and receives with the other ranks of its node.
 
     Sends to one peer run in issue order, as do receives from one peer; a send and

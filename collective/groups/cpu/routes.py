@@ -34,7 +34,7 @@ from collective.groups.gloo.agree import Call, on_buffer
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.kernels import Reducer
-from collective.groups.shm.solo import Solo
+from collective.groups.shm.local_copies import LocalCopies
 from collective.groups.topology import Topology
 from collective.types import (
     AllGatherOptions,
@@ -47,7 +47,7 @@ from collective.types import (
     ReduceOptions,
 )
 
-Local = Collectives | Solo
+Local = Collectives | LocalCopies
 
 
 class Reducers:

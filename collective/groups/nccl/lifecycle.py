@@ -46,7 +46,7 @@ from collective.groups.nccl.comm import (
     unavailable_reason,
 )
 from collective.groups.nccl.cuda import STREAMS, wait_events
-from collective.groups.nccl.launch import Launch, Plan, Signed
+from collective.groups.nccl.launch import DeviceCalls, Launch, Signed
 from collective.groups.nccl.watchdog import Watch
 from collective.rendezvous.store import RendezvousStore, meet
 from collective.types import (
@@ -61,8 +61,8 @@ from collective.types import (
 Communicators = Callable[[timedelta], list[Any]]
 """Returns an op's communicators, one per device, making them within the timeout if new."""
 
-Builder = Callable[[], tuple[Sequence[Any], Communicators, Plan]]
-"""Checks an op's buffers once; returns its anchors, communicators and plan."""
+Builder = Callable[[], tuple[Sequence[Any], Communicators, DeviceCalls]]
+"""Checks an op's buffers once; returns its buffer per device, communicators and device calls."""
 
 _H2D = 1
 """``cudaMemcpyHostToDevice``."""
@@ -71,7 +71,7 @@ _ABORT_GRACE = timedelta(seconds=0.5)
 """How long ``abort`` lets kernels already launched finish before it aborts the communicators."""
 
 
-class NCCLGroupBase(BaseGroup):
+class NcclLifecycle(BaseGroup):
     """A group of GPU ranks connected by NCCL through cupy; ``NCCLGroup`` adds the ops."""
 
     device_type = "cuda"

@@ -1,6 +1,6 @@
 """How a GlooGroup runs its ops: one torch ``ProcessGroupGloo`` per group, built from a store.
 
-``GlooGroupBase`` connects the ranks, starts each op and waits for it under the
+``GlooRunning`` connects the ranks, starts each op and waits for it under the
 failure watch, turns torch's errors into ours, and aborts and destroys the group.
 ``group.GlooGroup`` adds the ops.
 """
@@ -43,7 +43,7 @@ from collective.types import (
 from collective.work import CompletedWork, Work
 
 
-class GlooGroupBase(BaseGroup):
+class GlooRunning(BaseGroup):
     """A group of CPU ranks connected by torch's ``ProcessGroupGloo``; ``GlooGroup`` adds the ops.
 
     Rank 0 starts a ``TCPStore`` on port 0 at ``host`` and publishes its address
