@@ -8,6 +8,6 @@ the frameworks apart and describes a buffer (``spec``, dtype names, contiguity),
 buffers and streams for NCCL, ``streams`` orders work on the caller's CUDA stream,
 ``packing`` packs many buffers into staging buckets, ``bytelist`` moves lists of
 byte runs and ``prints`` fingerprints a list of buffers. It imports nothing of the
-package but ``collective.types``; numpy, torch and cupy are imported only when a
+package but ``collective.types`` and ``collective._version``; numpy, torch and cupy are imported only when a
 buffer of theirs is seen.
 """

@@ -7,7 +7,7 @@ path every call takes (``calls`` for the ops on one buffer, ``list_calls`` for t
 on lists of buffers): make the call's key, look it up in the group's launch cache,
 check and build on a miss, launch. It imports the group lookup
 (``collective.registry.held``), the checks (``collective.checks``), the group API
-(``collective.groups.base``, ``collective.groups.launches``), ``collective.frameworks``
-and ``collective.types``; nothing below it imports it, except ``collective.bulk`` and
+(``collective.groups.base``, ``collective.groups.launches``), ``collective.frameworks``,
+``collective.types`` and ``collective.work``; nothing below it imports it, except ``collective.bulk`` and
 ``collective.ray_plugins``, which sit above the ops.
 """
