@@ -8,6 +8,5 @@ on lists of buffers): make the call's key, look it up in the group's launch cach
 and build on a miss, launch. It imports the group lookup (``collective.registry.held``),
 the checks (``collective.checks``), the group API (``collective.groups.base``,
 ``collective.groups.launches``), ``collective.frameworks``, ``collective.types`` and
-``collective.work``; nothing below it imports it, except ``collective.bulk`` and
-``collective.ray_plugins``, which sit above the ops.
+``collective.work``; only ``collective.ray_plugins`` and the public names import it.
 """
