@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -96,17 +97,16 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
 def current_stream(x: Any) -> int:
     """Return the handle of the caller's current CUDA stream on ``x``'s device.
 
-    That is torch's current stream for a torch tensor and cupy's for a cupy array.
+    That is torch's current stream for a torch tensor and cupy's for a cupy array:
+    one C call for either, once the framework is loaded.
     """
-    if is_torch(x):
-        raw = _torch_raw_stream()
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             return int(raw(x.get_device()))
-        import torch
-
         return int(torch.cuda.current_stream(x.device).cuda_stream)
-    import cupy
-
+    cupy = sys.modules.get("cupy") or importlib.import_module("cupy")
     return int(cupy.cuda.get_current_stream(x.device.id).ptr)
 
 
@@ -123,12 +123,6 @@ def capturing(x: Any) -> bool:
     import cupy
 
     return bool(cupy.cuda.get_current_stream(x.device.id).is_capturing())
-
-
-def _torch_raw_stream() -> Any:
-    """Return torch's ``_cuda_getCurrentRawStream(device)`` (one C call), or None without it."""
-    torch = sys.modules.get("torch")
-    return getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch is not None else None
 
 
 def buffer_key(x: Any) -> tuple[Any, ...] | None:
@@ -151,6 +145,29 @@ def buffer_key(x: Any) -> tuple[Any, ...] | None:
         return (data.ptr, x.dtype, x.shape, x.strides, data.device_id)
     except AttributeError:
         return None
+
+
+def launch_key(x: Any) -> tuple[Any, ...] | None:
+    """Return what a launch on GPU buffer ``x`` depends on: its ``buffer_key`` and stream.
+
+    The key of ``buffer_key`` followed by the caller's current stream on the
+    buffer's device (``current_stream``), read with one kind check: a repeated call
+    pays a few attribute reads and one C call for the stream. None for a buffer on
+    no GPU, a torch tensor that requires grad, or anything else than a cupy array or
+    a torch tensor.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        device = x.get_device()
+        if x.requires_grad or device < 0:
+            return None
+        return (x.data_ptr(), x.dtype, x.shape, x.stride(), device, current_stream(x))
+    try:
+        data = x.data
+        key = (data.ptr, x.dtype, x.shape, x.strides, data.device_id)
+    except AttributeError:
+        return None
+    return (*key, current_stream(x))
 
 
 _TORCH_STREAMS: dict[tuple[int, int], Any] = {}

@@ -207,12 +207,13 @@ class BaseGroup(ABC):
         return None
 
     key_of = staticmethod(cpu_key)
-    """Return what a launch on buffer ``x`` and its checks depend on (see ``calls``)."""
+    """Return what a launch on buffer ``x`` and its checks depend on (``collective.ops.calls``)."""
 
     def build(self, op: str, x: Any, options: Any) -> tuple[Launch, bool]:
         """Return the launch of ``op`` on buffers like ``x``, and whether to keep it.
 
-        ``op`` is in ``calls.ONE_BUFFER``, ``options`` are checked. This one calls the op.
+        ``op`` is in ``collective.ops.calls.ONE_BUFFER``, ``options`` are checked. This
+        one calls the op.
         """
         method = getattr(self, op)
         if options.async_op:

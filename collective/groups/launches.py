@@ -46,6 +46,17 @@ class Launches:
                 self._kept.pop(next(iter(self._kept)))
             self._kept[key] = launch
 
+    def run_first(self, key: Hashable | None, launch: Launch, args: Any, keep: bool = True) -> Any:
+        """Run a call's new ``launch`` on ``args``; then keep it under ``key``.
+
+        It is not kept when ``key`` is None (a call to check every time), when
+        ``keep`` is False, or when it raised: a launch that failed is built anew.
+        """
+        result = launch(args)
+        if keep and key is not None:
+            self.keep(key, launch)
+        return result
+
     def clear(self) -> None:
         """Drop every launch: the group failed, was aborted or destroyed."""
         with self._lock:

@@ -177,7 +177,4 @@ def first_call(
         options = op.options(reduce_op, root, *arguments.check_call(timeout, async_op))
         check_written(group, [("tensor", x)] if op.written(group.rank, root) else [])
     launch, keep = group.build(op.name, x, options)
-    result = launch(x)
-    if keep and key is not None:
-        group.launches.keep(key, launch)
-    return result
+    return group.launches.run_first(key, launch, x, keep)

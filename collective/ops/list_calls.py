@@ -132,11 +132,7 @@ def call(
     launch = group.launches.get(key)
     if launch is not None:
         return launch(args)
-    launch = build(group, *args, *extra, timeout, async_op)
-    result = launch(args)
-    if key is not None:
-        group.launches.keep(key, launch)
-    return result
+    return group.launches.run_first(key, build(group, *args, *extra, timeout, async_op), args)
 
 
 def views(xs: Any, count: int, shape: tuple[int, ...]) -> Callable[[Any], list[Any]]:

@@ -108,6 +108,12 @@ def get_group_handle(group_name: str = "default") -> BaseGroup:
         GroupNotFoundError: no such group exists for this process.
 
     """
+    try:
+        entry = _manager.lookup(group_name)
+    except TypeError:  # an unhashable name: group_entry says what it must be
+        entry = None
+    if entry is not None:
+        return entry[0]
     return group_entry(group_name)[0]
 
 

@@ -31,6 +31,11 @@ class GroupManager:
         """Start with no groups."""
         self._lock = threading.Lock()
         self._groups: dict[str, Entry] = {}
+        self.lookup = self._groups.get
+        """Return the group called ``name`` and its rendezvous store, or None, without the lock.
+
+        The dict's own ``get``: one read of a dict is atomic, so an op's lookup of its
+        group runs no Python code of ours. Raises ``TypeError`` for an unhashable name."""
         self._building: dict[str, threading.Lock] = {}
         self._ended: dict[str, tuple[Entry | None, str]] = {}
         self._ending: dict[str, tuple[str, str]] = {}

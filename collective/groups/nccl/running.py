@@ -28,7 +28,7 @@ input early is safe.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -112,15 +112,8 @@ class NcclRunning(NcclLifecycle):
         timeout = options.timeout or self.timeout
         return self._build(key, op, options.async_op, timeout, builder, signed)
 
-    def key_of(self, x: Any) -> Hashable | None:  # type: ignore[override]
-        """Return ``x``'s ``cuda_buffers.buffer_key`` and the caller's current stream on its device.
-
-        None for a buffer on no GPU, or one that has no key.
-        """
-        key = cuda_buffers.buffer_key(x)
-        if key is None or key[4] < 0:
-            return None
-        return (key, cuda_buffers.current_stream(x))
+    key_of = staticmethod(cuda_buffers.launch_key)
+    """Return ``x``'s ``cuda_buffers.launch_key``: its description and the caller's stream."""
 
     def build(self, op: str, x: Any, options: Any) -> tuple[PublicLaunch, bool]:
         """Return the launch of a public call of ``op`` on ``x``: its NCCL launch, issued.
@@ -138,7 +131,7 @@ class NcclRunning(NcclLifecycle):
         return partial(self._run, launch, timeout), kept
 
     def _parts(self, op: str) -> Parts:
-        """Return how ``op`` of ``calls.ONE_BUFFER`` is described: its ``_<op>_parts``.
+        """Return how one-buffer op ``op`` (``ops.calls.ONE_BUFFER``) is described: ``_<op>_parts``.
 
         ``group.NCCLGroup`` and ``p2p.NcclPointToPoint`` have them.
         """
