@@ -258,3 +258,22 @@ def test_new_cpu_buffers_like_the_last_ones_take_its_launch(checked_calls: dict[
     for sums, checked in run_cpu(2, registered(fn)):
         assert sums == [1.0, 3.0, 5.0, 7.0]
         assert checked == 2, "one check for the numpy arrays, one for the torch tensors"
+
+
+@pytest.mark.parametrize(
+    ("group_name", "error"),
+    [(["g"], ArgumentTypeError), (7, ArgumentTypeError), ("", ArgumentValueError)],
+    ids=["unhashable", "not_a_str", "empty"],
+)
+def test_a_bad_group_name_is_named_and_a_held_group_is_found(
+    group_name: Any, error: type[Exception]
+) -> None:
+    def fn(name: str, group: CpuGroup, rank: int) -> list[float]:
+        x = np.ones(2, dtype=np.float32)
+        with pytest.raises(error, match="group_name"):
+            col.allreduce(x, group_name)
+        assert held.get_group_handle(name) is group
+        col.allreduce(x, name)
+        return x.tolist()
+
+    assert run_cpu(2, registered(fn)) == [[2.0, 2.0], [2.0, 2.0]]
