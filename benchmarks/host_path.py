@@ -85,6 +85,7 @@ class _Nothing:
         return 0
 
     allReduce = reduce = broadcast = send = recv = check_async_error = _nothing  # noqa: N815
+    allGather = reduceScatter = _nothing  # noqa: N815
     abort = destroy = _nothing
     eventRecord = streamWaitEvent = eventQuery = streamIsCapturing = _nothing  # noqa: N815
     memcpyAsync = streamCreateWithFlags = _nothing  # noqa: N815

@@ -99,6 +99,53 @@ def test_a_repeated_public_call_describes_nothing_and_makes_only_the_nccl_call(
         col.destroy_collective_group(name)
 
 
+def test_a_repeated_list_call_describes_nothing_and_finds_its_nccl_launch_once(
+    ranks: Callable[..., Ranks], described: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nccl_keys: list[Any] = []
+    real_key = cuda_buffers.buffer_key
+
+    def counting_key(x: Any) -> Any:
+        nccl_keys.append(x)
+        return real_key(x)
+
+    monkeypatch.setattr(cuda_buffers, "buffer_key", counting_key)
+    r = ranks(1)
+    name = _registered(r)
+    x, out = DeviceArray(SHAPE, "float32"), DeviceArray(SHAPE, "float32")
+    calls_of = {
+        "allgather": lambda: col.allgather([out], x, name),
+        "allgather_async": lambda: col.allgather([out], x, name, async_op=True).wait(),  # type: ignore[union-attr]
+        "reducescatter": lambda: col.reducescatter(out, [x], name, op="max"),
+        "gather": lambda: col.gather(x, [out], 0, name),
+        "scatter": lambda: col.scatter(out, [x], 0, name),
+        "alltoall": lambda: col.alltoall([out], [x], name),
+        "allreduce_multigpu": lambda: col.allreduce_multigpu([x], name),
+        "allgather_multigpu": lambda: col.allgather_multigpu([[out]], [x], name),
+        "reducescatter_multigpu": lambda: col.reducescatter_multigpu([out], [[x]], name),
+    }
+    me = threading.get_ident()
+    try:
+        for op, run in calls_of.items():
+            run()
+            first = len(described)
+            nccl_keys.clear()
+            r.clear()
+            run()
+            one = [e.name for e in without_checks(r.cupys[0].trace.entries) if e.thread == me]
+            r.clear()
+            for _ in range(3):
+                run()
+            again = [e.name for e in without_checks(r.cupys[0].trace.entries) if e.thread == me]
+            assert len(described) == first, f"{op}: a cached call described a buffer again"
+            assert nccl_keys == [], f"{op}: a cached call looked its NCCL launch up again"
+            assert [n for n in again if n != "eventQuery"] == [
+                n for n in one if n != "eventQuery"
+            ] * 3, op
+    finally:
+        col.destroy_collective_group(name)
+
+
 def test_public_calls_are_checked_once_per_key_and_a_reused_address_of_another_dtype_rebuilds(
     ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
 ) -> None:

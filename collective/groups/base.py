@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Protocol, cast
 
 from collective.frameworks.cpu_buffers import cpu_key
 from collective.frameworks.kinds import TensorSpec
-from collective.groups.launches import Launch, Launches
+from collective.groups.launches import Launch, Launches, Prepared
 from collective.rendezvous.store import RendezvousStore
 from collective.types import (
     DEFAULT_TIMEOUT,
@@ -223,6 +223,19 @@ class BaseGroup(ABC):
             method([x], options)
 
         return launch, True
+
+    def prepare(self, op: str, args: tuple[Any, ...], options: Any) -> tuple[Prepared, bool]:
+        """Return a run of ``getattr(self, op)(*args, options)`` for calls like this one.
+
+        ``op`` is one of the group's ops, ``args`` its arguments but the options, on
+        this call, and ``options`` checked. The run is called, on this call and later
+        ones whose key is the same, with a function that makes that call's arguments;
+        it returns the op's ``Work``. With it a backend finds what a call does once:
+        the second value says whether the run may be kept for later calls. This one
+        calls the op each time.
+        """
+        method = getattr(self, op)
+        return (lambda make: method(*make(), options)), True
 
     @property
     def takes_lists(self) -> bool:

@@ -21,6 +21,10 @@ from collective.work import Work
 Launch = Callable[[Any], "Work | None"]
 """Runs one op on the call's buffer; returns the public op's result."""
 
+Prepared = Callable[[Callable[[], tuple[Any, ...]]], Work]
+"""Runs one op of a group (``BaseGroup.prepare``): called with a function that makes the
+call's arguments for the group's op, which it makes only if it needs them."""
+
 LAUNCHES_KEPT = 256
 """How many launches a group keeps; the oldest goes first."""
 

@@ -136,7 +136,7 @@ def alltoall_single(
 
 def _build_gather(
     group: BaseGroup, x: Any, gather_list: Any, dst_rank: Any, timeout: Any, async_op: Any
-) -> Launch:
+) -> tuple[Launch, bool]:
     """Check a gather and return its launch; see ``gather``."""
     with checking(group, "gather"):
         spec = arguments.check_tensor(group, x, "tensor")
@@ -148,14 +148,14 @@ def _build_gather(
         arguments.check_disjoint(named, [("tensor", x)])
         options = GatherOptions(dst_rank, *arguments.check_call(timeout, async_op))
         check_written(group, named)
-    as_list, run = views(gather_list, group.world_size, spec.shape), group.gather
-    is_async = options.async_op
-    return lambda args: returned(run([as_list(args[1])], [args[0]], options), is_async)
+    as_list, is_async = views(gather_list, group.world_size, spec.shape), options.async_op
+    run, keep = group.prepare("gather", ([as_list(gather_list)], [x]), options)
+    return (lambda args: returned(run(lambda: ([as_list(args[1])], [args[0]])), is_async)), keep
 
 
 def _build_scatter(
     group: BaseGroup, x: Any, scatter_list: Any, src_rank: Any, timeout: Any, async_op: Any
-) -> Launch:
+) -> tuple[Launch, bool]:
     """Check a scatter and return its launch; see ``scatter``."""
     with checking(group, "scatter"):
         spec = arguments.check_tensor(group, x, "tensor")
@@ -168,22 +168,23 @@ def _build_scatter(
         )
         options = ScatterOptions(src_rank, *arguments.check_call(timeout, async_op))
         check_written(group, [("tensor", x)])
-    as_list, run = views(scatter_list, group.world_size, spec.shape), group.scatter
-    is_async = options.async_op
-    return lambda args: returned(run([args[0]], [as_list(args[1])], options), is_async)
+    as_list, is_async = views(scatter_list, group.world_size, spec.shape), options.async_op
+    run, keep = group.prepare("scatter", ([x], [as_list(scatter_list)]), options)
+    return (lambda args: returned(run(lambda: ([args[0]], [as_list(args[1])])), is_async)), keep
 
 
 def _build_alltoall(
     group: BaseGroup, output_tensor_list: Any, input_tensor_list: Any, timeout: Any, async_op: Any
-) -> Launch:
+) -> tuple[Launch, bool]:
     """Check an alltoall and return its launch; see ``alltoall``."""
     with checking(group, "alltoall"):
         inputs, dtype = _same_dtype_list(group, input_tensor_list, "input_tensor_list")
         outputs, _ = _same_dtype_list(group, output_tensor_list, "output_tensor_list", dtype)
         names = ("output_tensor_list", "input_tensor_list")
         options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
-    run, is_async = group.alltoall, options.async_op
-    return lambda args: returned(run(list(args[0]), list(args[1]), options), is_async)
+    run, keep = group.prepare("alltoall", (list(outputs), list(inputs)), options)
+    is_async = options.async_op
+    return (lambda args: returned(run(lambda: (list(args[0]), list(args[1]))), is_async)), keep
 
 
 def _build_alltoall_single(
@@ -194,7 +195,7 @@ def _build_alltoall_single(
     input_split_sizes: Any,
     timeout: Any,
     async_op: Any,
-) -> Launch:
+) -> tuple[Launch, bool]:
     """Check an alltoall_single and return its launch; see ``alltoall_single``."""
     with checking(group, "alltoall"):
         in_spec = arguments.check_tensor(group, input, "input")
@@ -216,13 +217,15 @@ def _build_alltoall_single(
         outputs, inputs = split_rows(output, out_sizes), split_rows(input, in_sizes)
         names = ("output", "input")
         options = _alltoall_options(group, outputs, inputs, names, timeout, async_op)
-    run, is_async = group.alltoall, options.async_op
+    run, keep = group.prepare("alltoall", (outputs, inputs), options)
+    is_async = options.async_op
 
     def launch(args: tuple[Any, Any]) -> Work | None:
-        outputs, inputs = split_rows(args[0], out_sizes), split_rows(args[1], in_sizes)
-        return returned(run(outputs, inputs, options), is_async)
+        return returned(
+            run(lambda: (split_rows(args[0], out_sizes), split_rows(args[1], in_sizes))), is_async
+        )
 
-    return launch
+    return launch, keep
 
 
 def _same_dtype_list(

@@ -37,8 +37,9 @@ from collective.types import (
 )
 from collective.work import Work, returned
 
-Builder = Callable[..., Launch]
-"""Checks a call's arguments (all but the group and the key) and returns its launch."""
+Builder = Callable[..., "tuple[Launch, bool]"]
+"""Checks a call's arguments (all but the group and the key) and returns its launch, and
+whether it may be kept for later calls of the same key (see ``BaseGroup.prepare``)."""
 
 
 def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
@@ -121,7 +122,8 @@ def call(
     """Run ``op`` on ``args`` through the group's launch of the call's key, built if new.
 
     ``build(group, *args, *extra, timeout, async_op)`` checks the call and returns
-    its launch, which is called with ``args``. A launch that raises is not kept.
+    its launch, which is called with ``args``, and whether to keep it. A launch that
+    raises is not kept.
 
     Raises:
         ArgumentError: an argument check failed (on a first call of its key).
@@ -132,7 +134,8 @@ def call(
     launch = group.launches.get(key)
     if launch is not None:
         return launch(args)
-    return group.launches.run_first(key, build(group, *args, *extra, timeout, async_op), args)
+    launch, keep = build(group, *args, *extra, timeout, async_op)
+    return group.launches.run_first(key, launch, args, keep)
 
 
 def views(xs: Any, count: int, shape: tuple[int, ...]) -> Callable[[Any], list[Any]]:
@@ -150,7 +153,7 @@ def views(xs: Any, count: int, shape: tuple[int, ...]) -> Callable[[Any], list[A
 
 def build_allgather(
     group: BaseGroup, tensor_list: Any, x: Any, timeout: Any, async_op: Any
-) -> Launch:
+) -> tuple[Launch, bool]:
     """Check an allgather and return its launch; see ``api.allgather``."""
     with checking(group, "allgather"):
         spec = arguments.check_tensor(group, x, "tensor")
@@ -158,20 +161,22 @@ def build_allgather(
         outputs = arguments.check_outputs(group, tensor_list, "tensor_list", spec, n, disjoint=True)
         options = AllGatherOptions(*arguments.check_call(timeout, async_op))
         check_written(group, [(f"tensor_list[{i}]", t) for i, t in enumerate(outputs)])
-    as_list, run, is_async = views(tensor_list, n, spec.shape), group.allgather, options.async_op
+    as_list, is_async = views(tensor_list, n, spec.shape), options.async_op
+    run, keep = group.prepare("allgather", ([as_list(tensor_list)], [x]), options)
 
     def launch(args: tuple[Any, Any]) -> Work | None:
-        return returned(run([as_list(args[0])], [args[1]], options), is_async)
+        return returned(run(lambda: ([as_list(args[0])], [args[1]])), is_async)
 
-    return launch
+    return launch, keep
 
 
 def build_reducescatter(
     group: BaseGroup, x: Any, tensor_list: Any, reduce_op: Any, timeout: Any, async_op: Any
-) -> Launch:
+) -> tuple[Launch, bool]:
     """Check a reducescatter and return its launch; see ``api.reducescatter``.
 
-    An input that is the output itself is read from a copy of it taken on each call.
+    An input that is the output itself is read from a copy of it taken on each call;
+    such a call's group op is found anew each time, the copy being new.
     """
     with checking(group, "reducescatter"):
         spec = arguments.check_tensor(group, x, "tensor")
@@ -181,26 +186,25 @@ def build_reducescatter(
         options = ReduceScatterOptions(reduce_op, *arguments.check_call(timeout, async_op))
         check_written(group, [("tensor", x)])
         same = same_as_output(x, inputs, "tensor", "tensor_list")
-    as_list, run, is_async = (
-        views(tensor_list, n, spec.shape),
-        group.reducescatter,
-        options.async_op,
-    )
+    as_list, is_async = views(tensor_list, n, spec.shape), options.async_op
+    if not same:
+        run, keep = group.prepare("reducescatter", ([x], [as_list(tensor_list)]), options)
+        return (lambda args: returned(run(lambda: ([args[0]], [as_list(args[1])])), is_async)), keep
+    reducescatter = group.reducescatter
 
     def launch(args: tuple[Any, Any]) -> Work | None:
         output, inputs = args[0], as_list(args[1])
-        if same:
-            copy = kinds.copy_of(output)
-            for i in same:
-                inputs[i] = copy
-        return returned(run([output], [inputs], options), is_async)
+        copy = kinds.copy_of(output)
+        for i in same:
+            inputs[i] = copy
+        return returned(reducescatter([output], [inputs], options), is_async)
 
-    return launch
+    return launch, True
 
 
-def build_barrier(group: BaseGroup, timeout: Any, async_op: Any) -> Launch:
+def build_barrier(group: BaseGroup, timeout: Any, async_op: Any) -> tuple[Launch, bool]:
     """Check a barrier and return its launch; see ``api.barrier``."""
     with checking(group, "barrier"):
         options = BarrierOptions(*arguments.check_call(timeout, async_op))
     run, is_async = group.barrier, options.async_op
-    return lambda args: returned(run(options), is_async)
+    return (lambda args: returned(run(options), is_async)), True

@@ -54,13 +54,15 @@ def allreduce_multigpu(
     call(_build_allreduce, group, "allreduce_multigpu", (tensor_list,), (op,), timeout, False)
 
 
-def _build_allreduce(group: BaseGroup, tensor_list: Any, op: Any, timeout: Any, _: bool) -> Launch:
+def _build_allreduce(
+    group: BaseGroup, tensor_list: Any, op: Any, timeout: Any, _: bool
+) -> tuple[Launch, bool]:
     with checking(group, "allreduce"):
         tensors = arguments.check_gpu_tensor_list(group, tensor_list, "tensor_list")
         options = AllReduceOptions(ReduceOp.parse(op), arguments.check_timeout(timeout))
         check_written(group, _named(tensors, "tensor_list"))
-    run = group.allreduce
-    return lambda args: _done(run(list(args[0]), options))
+    run, keep = group.prepare("allreduce", (tensors,), options)
+    return (lambda args: _done(run(lambda: (list(args[0]),)))), keep
 
 
 def reduce_multigpu(
@@ -89,7 +91,7 @@ def _build_reduce(
     op: Any,
     timeout: Any,
     _: bool,
-) -> Launch:
+) -> tuple[Launch, bool]:
     with checking(group, "reduce"):
         tensors = arguments.check_gpu_tensor_list(group, tensor_list, "tensor_list")
         dst_rank = arguments.check_rank(dst_rank, group.world_size, "dst_rank")
@@ -98,8 +100,8 @@ def _build_reduce(
         options = ReduceOptions(ReduceOp.parse(op), dst_rank, dst_tensor, timeout)
         if group.rank == dst_rank:
             check_written(group, [(f"tensor_list[{dst_tensor}]", tensors[dst_tensor])])
-    run = group.reduce
-    return lambda args: _done(run(list(args[0]), options))
+    run, keep = group.prepare("reduce", (tensors,), options)
+    return (lambda args: _done(run(lambda: (list(args[0]),)))), keep
 
 
 def broadcast_multigpu(
@@ -118,7 +120,7 @@ def broadcast_multigpu(
 
 def _build_broadcast(
     group: BaseGroup, tensor_list: Any, src_rank: Any, src_tensor: Any, timeout: Any, _: bool
-) -> Launch:
+) -> tuple[Launch, bool]:
     with checking(group, "broadcast"):
         tensors = arguments.check_gpu_tensor_list(group, tensor_list, "tensor_list")
         src_rank = arguments.check_rank(src_rank, group.world_size, "src_rank")
@@ -128,8 +130,8 @@ def _build_broadcast(
         if group.rank == src_rank:
             del written[src_tensor]
         check_written(group, written)
-    run = group.broadcast
-    return lambda args: _done(run(list(args[0]), options))
+    run, keep = group.prepare("broadcast", (tensors,), options)
+    return (lambda args: _done(run(lambda: (list(args[0]),)))), keep
 
 
 def allgather_multigpu(
@@ -156,15 +158,15 @@ def allgather_multigpu(
 
 def _build_allgather(
     group: BaseGroup, output_tensor_lists: Any, input_tensor_list: Any, timeout: Any, _: bool
-) -> Launch:
+) -> tuple[Launch, bool]:
     with checking(group, "allgather"):
         inputs = arguments.check_gpu_tensor_list(group, input_tensor_list, "input_tensor_list")
         outputs = _tensor_lists(group, output_tensor_lists, "output_tensor_lists", len(inputs))
         options = AllGatherOptions(arguments.check_timeout(timeout))
         for i, xs in enumerate(outputs):
             check_written(group, _named(xs, f"output_tensor_lists[{i}]"))
-    run = group.allgather
-    return lambda args: _done(run([list(xs) for xs in args[0]], list(args[1]), options))
+    run, keep = group.prepare("allgather", (outputs, inputs), options)
+    return (lambda args: _done(run(lambda: ([list(xs) for xs in args[0]], list(args[1]))))), keep
 
 
 def reducescatter_multigpu(
@@ -198,14 +200,14 @@ def _build_reducescatter(
     op: Any,
     timeout: Any,
     _: bool,
-) -> Launch:
+) -> tuple[Launch, bool]:
     with checking(group, "reducescatter"):
         outputs = arguments.check_gpu_tensor_list(group, output_tensor_list, "output_tensor_list")
-        _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
+        inputs = _tensor_lists(group, input_tensor_lists, "input_tensor_lists", len(outputs))
         options = ReduceScatterOptions(ReduceOp.parse(op), arguments.check_timeout(timeout))
         check_written(group, _named(outputs, "output_tensor_list"))
-    run = group.reducescatter
-    return lambda args: _done(run(list(args[0]), [list(xs) for xs in args[1]], options))
+    run, keep = group.prepare("reducescatter", (outputs, inputs), options)
+    return (lambda args: _done(run(lambda: (list(args[0]), [list(xs) for xs in args[1]])))), keep
 
 
 def send_multigpu(
@@ -231,7 +233,7 @@ def _build_send(
     n_elements: Any,
     timeout: Any,
     _: bool,
-) -> Launch:
+) -> tuple[Launch, bool]:
     dst_rank = arguments.check_peer(dst_rank, group, "dst_rank")
     with checking(group, "send", dst_rank):
         arguments.check_tensor(group, tensor, "tensor")
@@ -239,8 +241,8 @@ def _build_send(
         n_elements = arguments.check_non_negative(n_elements, "n_elements")
         timeout = arguments.check_timeout(timeout)
         options = SendOptions(dst_rank, dst_gpu_index, n_elements, timeout)
-    run = group.send
-    return lambda args: _done(run([args[0]], options))
+    run, keep = group.prepare("send", ([tensor],), options)
+    return (lambda args: _done(run(lambda: ([args[0]],)))), keep
 
 
 def recv_multigpu(
@@ -266,7 +268,7 @@ def _build_recv(
     n_elements: Any,
     timeout: Any,
     _: bool,
-) -> Launch:
+) -> tuple[Launch, bool]:
     src_rank = arguments.check_peer(src_rank, group, "src_rank")
     with checking(group, "recv", src_rank):
         arguments.check_tensor(group, tensor, "tensor")
@@ -275,8 +277,8 @@ def _build_recv(
         timeout = arguments.check_timeout(timeout)
         options = RecvOptions(src_rank, src_gpu_index, n_elements, timeout)
         check_written(group, [("tensor", tensor)])
-    run = group.recv
-    return lambda args: _done(run([args[0]], options))
+    run, keep = group.prepare("recv", ([tensor],), options)
+    return (lambda args: _done(run(lambda: ([args[0]],)))), keep
 
 
 def synchronize(gpu_id: int) -> None:

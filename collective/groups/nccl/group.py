@@ -45,12 +45,11 @@ class NCCLGroup(NcclPointToPoint):
 
             return tensors, self._comms_of(bufs), device_calls
 
-        return (options.reduce_op._value_,), builder, (-1, options.reduce_op)
+        return tensors, tensors, (options.reduce_op._value_,), builder, (-1, options.reduce_op)
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensors, in place."""
-        parts = self._allreduce_parts(tensors, options)
-        return self._op("allreduce", options, tensors, tensors, *parts)
+        return self._op("allreduce", options, *self._allreduce_parts(tensors, options))
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier: a one-element allreduce."""
@@ -80,12 +79,11 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), device_calls
 
         extra = (options.reduce_op._value_, options.root_rank, options.root_tensor)
-        return extra, builder, (options.root_rank, options.reduce_op)
+        return tensors, tensors, extra, builder, (options.root_rank, options.reduce_op)
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
-        parts = self._reduce_parts(tensors, options)
-        return self._op("reduce", options, tensors, tensors, *parts)
+        return self._op("reduce", options, *self._reduce_parts(tensors, options))
 
     def _broadcast_parts(self, tensors: Sequence[Any], options: BroadcastOptions) -> OpParts:
         def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
@@ -99,12 +97,11 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), device_calls
 
         extra = (options.root_rank, options.root_tensor)
-        return extra, builder, (options.root_rank, None)
+        return tensors, tensors, extra, builder, (options.root_rank, None)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensors, in place."""
-        parts = self._broadcast_parts(tensors, options)
-        return self._op("broadcast", options, tensors, tensors, *parts)
+        return self._op("broadcast", options, *self._broadcast_parts(tensors, options))
 
     def allgather(
         self,
@@ -118,6 +115,16 @@ class NCCLGroup(NcclPointToPoint):
         allgather, with no copy; any other list by grouped broadcasts straight into
         its tensors.
         """
+        return self._op(
+            "allgather", options, *self._allgather_parts(tensor_lists, tensors, options)
+        )
+
+    def _allgather_parts(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: AllGatherOptions,
+    ) -> OpParts:
 
         def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             ins = per_device(tensors, "input_tensor_list")
@@ -149,7 +156,7 @@ class NCCLGroup(NcclPointToPoint):
         flat = [x for xs in tensor_lists for x in xs]
         shape = tuple(len(xs) for xs in tensor_lists)
         buffers = [*tensors, *flat]
-        return self._op("allgather", options, buffers, tensors, shape, builder, (-1, None))
+        return buffers, tensors, shape, builder, (-1, None)
 
     def reducescatter(
         self,
@@ -163,6 +170,15 @@ class NCCLGroup(NcclPointToPoint):
         NCCL reduce-scatter, with no copy; any other list by grouped reduces. The input
         lists are only read.
         """
+        parts = self._reducescatter_parts(tensors, tensor_lists, options)
+        return self._op("reducescatter", options, *parts)
+
+    def _reducescatter_parts(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ReduceScatterOptions,
+    ) -> OpParts:
 
         def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             outs = per_device(tensors, "output_tensor_list")
@@ -197,4 +213,4 @@ class NCCLGroup(NcclPointToPoint):
         extra = (options.reduce_op._value_, *(len(xs) for xs in tensor_lists))
         signed = (-1, options.reduce_op)
         buffers = [*tensors, *flat]
-        return self._op("reducescatter", options, buffers, tensors, extra, builder, signed)
+        return buffers, tensors, extra, builder, signed

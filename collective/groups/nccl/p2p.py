@@ -36,8 +36,7 @@ class NcclPointToPoint(NcclRunning):
     def _p2p(self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int) -> Work:
         """Send or receive on the communicator of this endpoint and the peer's."""
         self._check_usable(self._destroyed)
-        parts = self._p2p_parts(op, tensors, options, peer, gpu)
-        return self._op(op, options, tensors, tensors, *parts)
+        return self._op(op, options, *self._p2p_parts(op, tensors, options, peer, gpu))
 
     def _p2p_parts(
         self, op: str, tensors: Sequence[Any], options: Any, peer: int, gpu: int
@@ -65,7 +64,7 @@ class NcclPointToPoint(NcclRunning):
 
             return tensors, communicators, device_calls
 
-        return (peer, gpu, options.n_elements), builder, None
+        return tensors, tensors, (peer, gpu, options.n_elements), builder, None
 
     def _send_parts(self, tensors: Sequence[Any], options: SendOptions) -> OpParts:
         return self._p2p_parts("send", tensors, options, options.dst_rank, options.dst_gpu_index)
@@ -93,6 +92,14 @@ class NcclPointToPoint(NcclRunning):
         options: GatherOptions,
     ) -> Work:
         """Write rank j's tensor into element j of the root's list; grouped send/recv."""
+        return self._op("gather", options, *self._gather_parts(tensor_lists, tensors, options))
+
+    def _gather_parts(
+        self,
+        tensor_lists: Sequence[Sequence[Any]],
+        tensors: Sequence[Any],
+        options: GatherOptions,
+    ) -> OpParts:
         root, on_root = options.root_rank, self.rank == options.root_rank
 
         def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
@@ -118,7 +125,7 @@ class NcclPointToPoint(NcclRunning):
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
         buffers = [*tensors, *flat]
-        return self._op("gather", options, buffers, tensors, extra, builder, (root, None))
+        return buffers, tensors, extra, builder, (root, None)
 
     def scatter(
         self,
@@ -127,6 +134,14 @@ class NcclPointToPoint(NcclRunning):
         options: ScatterOptions,
     ) -> Work:
         """Write element j of the root's list into rank j's tensor; grouped send/recv."""
+        return self._op("scatter", options, *self._scatter_parts(tensors, tensor_lists, options))
+
+    def _scatter_parts(
+        self,
+        tensors: Sequence[Any],
+        tensor_lists: Sequence[Sequence[Any]],
+        options: ScatterOptions,
+    ) -> OpParts:
         root, on_root = options.root_rank, self.rank == options.root_rank
 
         def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
@@ -149,12 +164,17 @@ class NcclPointToPoint(NcclRunning):
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
         buffers = [*tensors, *flat]
-        return self._op("scatter", options, buffers, tensors, extra, builder, (root, None))
+        return buffers, tensors, extra, builder, (root, None)
 
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
     ) -> Work:
         """Exchange ``inputs[j]`` for ``outputs[j]`` with every rank j; grouped send/recv."""
+        return self._op("alltoall", options, *self._alltoall_parts(outputs, inputs, options))
+
+    def _alltoall_parts(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
+    ) -> OpParts:
 
         def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
             if len(outputs) != self.world_size or len(inputs) != self.world_size:
@@ -196,4 +216,4 @@ class NcclPointToPoint(NcclRunning):
 
         extra = (len(outputs), len(inputs))
         buffers = [*outputs, *inputs]
-        return self._op("alltoall", options, buffers, [outputs[0]], extra, builder)
+        return buffers, [outputs[0]], extra, builder, None

@@ -35,17 +35,21 @@ from typing import Any
 
 from collective.frameworks import cuda_buffers
 from collective.groups.launches import Launch as PublicLaunch
+from collective.groups.launches import Prepared
 from collective.groups.nccl.cuda import NcclWork, follow, record, settled
 from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
 from collective.groups.nccl.lifecycle import Builder, NcclLifecycle
 from collective.types import CollectiveError, ReduceOp
 from collective.work import Work
 
-OpParts = tuple[tuple[Any, ...], Builder, "tuple[int, ReduceOp | None] | None"]
-"""How an op is described for ``NcclRunning._op``: ``(extra, builder, signed)``."""
+OpParts = tuple[
+    Sequence[Any], Sequence[Any], tuple[Any, ...], Builder, "tuple[int, ReduceOp | None] | None"
+]
+"""How a call of an op is described: ``(buffers, device_buffers, extra, builder, signed)``.
 
-Parts = Callable[[Sequence[Any], Any], OpParts]
-"""Returns a one-buffer op's ``OpParts`` for ``(tensors, options)``."""
+Each op of ``NCCLGroup`` has a method ``_<op>_parts(*args, options)`` that returns
+them for the op's arguments (see ``_op``); describing a call makes nothing: its
+``builder`` checks and describes the buffers, once, on the first call of its key."""
 
 
 class NcclRunning(NcclLifecycle):
@@ -121,22 +125,43 @@ class NcclRunning(NcclLifecycle):
         See ``BaseGroup.build``. The launch runs on the caller's current stream when
         blocking, on the comm stream when async (see the module's doc).
         """
-        tensors = (x,)
-        parts = self._parts(op)(tensors, options)
-        launch, kept = self._launch(op, options, tensors, tensors, *parts)
+        describe: Callable[..., OpParts] = getattr(self, f"_{op}_parts")
+        launch, kept = self._launch(op, options, *describe((x,), options))
         timeout = options.timeout or self.timeout
         if options.async_op:
             run_async = self._run_async
             return (lambda x: run_async(launch, timeout, (x,), (x,))), kept
         return partial(self._run, launch, timeout), kept
 
-    def _parts(self, op: str) -> Parts:
-        """Return how one-buffer op ``op`` (``ops.calls.ONE_BUFFER``) is described: ``_<op>_parts``.
+    def prepare(self, op: str, args: tuple[Any, ...], options: Any) -> tuple[Prepared, bool]:
+        """Return a run of ``op`` that issues its NCCL launch, found once, here.
 
-        ``group.NCCLGroup`` and ``p2p.NcclPointToPoint`` have them.
+        See ``BaseGroup.prepare``. A blocking run issues the launch on the caller's
+        stream without making the call's arguments: the launch holds their addresses,
+        which the caller's key says are the same. An async run makes them, to record
+        their use on the comm stream (see ``_run_async``). An op without parts
+        (barrier) runs as ``BaseGroup.prepare`` says.
         """
-        parts: Parts = getattr(self, f"_{op}_parts")
-        return parts
+        describe: Callable[..., OpParts] | None = getattr(self, f"_{op}_parts", None)
+        if describe is None:
+            return super().prepare(op, args, options)
+        launch, kept = self._launch(op, options, *describe(*args, options))
+        timeout = options.timeout or self.timeout
+        if options.async_op:
+            run_async = self._run_async
+
+            def run_async_op(make: Callable[[], tuple[Any, ...]]) -> Work:
+                buffers, device_buffers, *_ = describe(*make(), options)
+                return run_async(launch, timeout, device_buffers, buffers)
+
+            return run_async_op, kept
+        run = self._run
+
+        def run_blocking(make: Callable[[], tuple[Any, ...]]) -> Work:
+            run(launch, timeout)
+            return DONE
+
+        return run_blocking, kept
 
     def _build(
         self,
