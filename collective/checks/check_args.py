@@ -99,6 +99,10 @@ class CheckedGroup(BaseGroup):
         """Return the wrapped group's key of buffer ``x``."""
         return self._inner.key_of(x)
 
+    def placed_key(self, x: Any) -> Hashable | None:
+        """Return the wrapped group's ``placed_key``."""
+        return self._inner.placed_key(x)
+
     def check_tensor(self, described: TensorSpec, name: str) -> None:
         """Reject a buffer the wrapped group cannot use."""
         self._inner.check_tensor(described, name)

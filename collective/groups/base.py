@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar, Protocol, cast
+from typing import Any, ClassVar
 
 from collective.frameworks.cpu_buffers import cpu_key
 from collective.frameworks.kinds import TensorSpec
+from collective.frameworks.memory import start_address
 from collective.groups.launches import Launch, Launches, Prepared
-from collective.rendezvous.store import RendezvousStore
 from collective.types import (
     DEFAULT_TIMEOUT,
     AllGatherOptions,
@@ -209,6 +209,15 @@ class BaseGroup(ABC):
     key_of = staticmethod(cpu_key)
     """Return what a launch on buffer ``x`` and its checks depend on (``collective.ops.calls``)."""
 
+    def placed_key(self, x: Any) -> Hashable | None:
+        """Return ``key_of(x)`` with where ``x``'s elements start; None if it has no key.
+
+        What a call on several buffers depends on in each: the checks on how its
+        buffers overlap read their addresses (``collective.ops.list_calls``).
+        """
+        key = self.key_of(x)
+        return None if key is None else (key, start_address(x))
+
     def build(self, op: str, x: Any, options: Any) -> tuple[Launch, bool]:
         """Return the launch of ``op`` on buffers like ``x``, and whether to keep it.
 
@@ -383,32 +392,3 @@ class BaseGroup(ABC):
         """
         self.abort(reason)
         self.destroy_group()
-
-
-class GroupConstructor(Protocol):
-    """The constructor every backend class has, as ``BaseGroup`` describes it."""
-
-    def __call__(
-        self,
-        world_size: int,
-        rank: int,
-        group_name: str,
-        store: RendezvousStore,
-        timeout: timedelta,
-        host: str,
-        *,
-        options: GroupOptions | None = None,
-    ) -> BaseGroup:
-        """Connect this rank to the others through ``store``; block until all have arrived."""
-        ...
-
-
-def constructor(cls: type[BaseGroup]) -> GroupConstructor:
-    """Return backend class ``cls`` typed as the constructor every backend has.
-
-    ``BaseGroup.__init__`` takes neither store nor host: each backend connects its
-    ranks in an ``__init__`` of its own, of the signature of ``GroupConstructor``.
-    The registry checks that the built-in backends keep it; a registered class is
-    trusted to.
-    """
-    return cast(GroupConstructor, cls)

@@ -25,7 +25,7 @@ from typing import Any
 from collective.checks import arguments
 from collective.checks.arguments import checking
 from collective.checks.written import check_written, same_as_output
-from collective.frameworks import kinds, memory
+from collective.frameworks import kinds
 from collective.groups.base import BaseGroup
 from collective.groups.launches import Launch
 from collective.ops.calls import REDUCE_OP_VALUES
@@ -45,7 +45,8 @@ whether it may be kept for later calls of the same key (see ``BaseGroup.prepare`
 def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     """Return the key of one argument: a buffer, a list (or tuple) of arguments, or None.
 
-    A buffer's part is its ``key_of`` and its address; None when it has no key.
+    A buffer's part is its ``placed_key``: its ``key_of`` and its address; None when it
+    has no key.
     """
     if x is None:
         return ("none",)
@@ -57,10 +58,8 @@ def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
                 return None
             parts.append(k)
         return ("list", *parts)
-    k = group.key_of(x)
-    if k is None:
-        return None
-    return ("buffer", k, memory.start_address(x))
+    k = group.placed_key(x)
+    return None if k is None else ("buffer", k)
 
 
 def extra_key(value: Any) -> Hashable:

@@ -9,13 +9,51 @@ without registering it itself.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from datetime import timedelta
+from typing import Any, Protocol, cast
 
-from collective.groups.base import BaseGroup, GroupConstructor
+from collective.groups.base import BaseGroup
 from collective.groups.cpu.group import CpuGroup
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.nccl.group import NCCLGroup
-from collective.types import ArgumentTypeError, ArgumentValueError, Backend, CollectiveError
+from collective.rendezvous.store import RendezvousStore
+from collective.types import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    Backend,
+    CollectiveError,
+    GroupOptions,
+)
+
+
+class GroupConstructor(Protocol):
+    """The constructor every backend class has, as ``BaseGroup`` describes it."""
+
+    def __call__(
+        self,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        store: RendezvousStore,
+        timeout: timedelta,
+        host: str,
+        *,
+        options: GroupOptions | None = None,
+    ) -> BaseGroup:
+        """Connect this rank to the others through ``store``; block until all have arrived."""
+        ...
+
+
+def constructor(cls: type[BaseGroup]) -> GroupConstructor:
+    """Return backend class ``cls`` typed as the constructor every backend has.
+
+    ``BaseGroup.__init__`` takes neither store nor host: each backend connects its
+    ranks in an ``__init__`` of its own, of the signature of ``GroupConstructor``.
+    The registry checks that the built-in backends keep it; a registered class is
+    trusted to.
+    """
+    return cast(GroupConstructor, cls)
+
 
 _KV_NAMESPACE = "collective.backends"
 """The Ray key-value namespace under which registered classes are published."""

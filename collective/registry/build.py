@@ -12,8 +12,9 @@ import time
 from datetime import timedelta
 
 from collective.checks.check_args import CheckedGroup
-from collective.groups.base import BaseGroup, GroupConstructor, constructor
+from collective.groups.base import BaseGroup
 from collective.registry import backends, ray_process
+from collective.registry.backends import GroupConstructor, constructor
 from collective.rendezvous import membership
 from collective.rendezvous.client import RayRendezvousStore
 from collective.types import CollectiveError, CollectiveTimeoutError, GroupOptions

@@ -22,8 +22,9 @@ from typing import Any
 
 from collective.checks import arguments
 from collective.checks.check_args import CheckedGroup
-from collective.groups.base import BaseGroup, constructor
+from collective.groups.base import BaseGroup
 from collective.registry import build, held, ray_process
+from collective.registry.backends import constructor
 from collective.rendezvous import membership
 from collective.rendezvous.client import RPC_GRACE_S, RayRendezvousStore
 from collective.rendezvous.liveness import current_member

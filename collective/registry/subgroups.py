@@ -25,8 +25,9 @@ from datetime import timedelta
 from typing import Any
 
 from collective.checks import arguments
-from collective.groups.base import BaseGroup, constructor
+from collective.groups.base import BaseGroup
 from collective.registry import held, ray_process
+from collective.registry.backends import constructor
 from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
 from collective.types import (
     ArgumentTypeError,

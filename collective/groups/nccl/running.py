@@ -119,6 +119,9 @@ class NcclRunning(NcclLifecycle):
     key_of = staticmethod(cuda_buffers.launch_key)
     """Return ``x``'s ``cuda_buffers.launch_key``: its description and the caller's stream."""
 
+    placed_key = key_of
+    """Return ``key_of(x)``, which starts with the address of ``x``'s first element."""
+
     def build(self, op: str, x: Any, options: Any) -> tuple[PublicLaunch, bool]:
         """Return the launch of a public call of ``op`` on ``x``: its NCCL launch, issued.
 
