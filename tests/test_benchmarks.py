@@ -334,6 +334,9 @@ def test_rdt_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
     assert {g["verdict"] for g in data["goals"]} == {"not measured"}, "no goal point is tiny"
 
 
+NCCL_MODES = ("blocking", "async", "allgather", "reducescatter")
+
+
 def test_host_path_benchmark_writes_a_row_per_path(tmp_path: Path) -> None:
     """``benchmarks.host_path`` runs every path and writes its rows; the speed is not checked."""
     out = tmp_path / "host_path.json"
@@ -346,10 +349,7 @@ def test_host_path_benchmark_writes_a_row_per_path(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     paths = [row["path"] for row in rows]
     assert paths == [
-        "nccl/torch/blocking",
-        "nccl/torch/async",
-        "nccl/cupy/blocking",
-        "nccl/cupy/async",
+        *(f"nccl/{kind}/{mode}" for kind in ("torch", "cupy") for mode in NCCL_MODES),
         "shm/allreduce",
         "gloo/allreduce",
     ]
