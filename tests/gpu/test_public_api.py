@@ -92,3 +92,45 @@ def test_single_gpu_functions(solo: Any, kind: str) -> None:
         np.testing.assert_array_equal(cases.host(buffer), cases.values(0, offset), what)
     with pytest.raises(ValueError, match="dst_rank"):
         col.send(x, 0, name)
+
+
+@pytest.mark.parametrize("kind", cases.KINDS)
+def test_repeated_list_calls_on_the_same_buffers_carry_each_calls_data(
+    solo: Any, kind: str
+) -> None:
+    """A repeated list op runs its launch, found once, on whatever its buffers now hold.
+
+    ``x`` and every output stay the same buffers, so from the second round each call is
+    a cached launch; ``x`` gets new values each round from an allgather of a new buffer,
+    and every output must show them.
+    """
+    _needs(kind)
+    name = solo.group_name
+
+    def new(offset: int = 0) -> Any:
+        return cases.make(kind, cases.values(0, offset), "float32", 0)
+
+    x, flat, out, gathered, got, received = new(9), new(9), new(9), [new(9)], new(9), [new(9)]
+    parts = [new(9)]
+    for offset in range(4):
+        col.allgather([x], new(offset), name)
+        col.allgather(parts, x, name)
+        col.allgather(flat, x, name)
+        col.reducescatter(out, [x], name)
+        col.gather(x, gathered, 0, name)
+        col.scatter(got, [x], 0, name)
+        col.alltoall(received, [x], name)
+        work = col.allgather(parts, x, name, async_op=True)
+        assert work is not None
+        work.wait(cases.WAIT)
+        expected = cases.values(0, offset)
+        for buffer, what in [
+            (x, "allgather of a new buffer"),
+            (parts[0], "allgather into a list"),
+            (flat, "allgather into one buffer"),
+            (out, "reducescatter"),
+            (gathered[0], "gather"),
+            (got, "scatter"),
+            (received[0], "alltoall"),
+        ]:
+            np.testing.assert_array_equal(cases.host(buffer), expected, f"round {offset}: {what}")
