@@ -277,3 +277,19 @@ def test_a_bad_group_name_is_named_and_a_held_group_is_found(
         return x.tolist()
 
     assert run_cpu(2, registered(fn)) == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def test_a_first_launch_is_kept_unless_it_raised_had_no_key_or_was_not_to_be_kept() -> None:
+    kept = launches.Launches()
+    assert kept.run_first("k", lambda args: args * 2, 3) == 6
+    assert kept.get("k") is not None
+
+    def fails(args: Any) -> None:
+        raise CollectiveError("failed")
+
+    with pytest.raises(CollectiveError):
+        kept.run_first("bad", fails, 0)
+    kept.run_first(None, lambda args: None, 0)
+    kept.run_first("unkept", lambda args: None, 0, keep=False)
+    assert [kept.get(k) for k in ("bad", "unkept")] == [None, None]
+    assert len(kept) == 1

@@ -146,6 +146,27 @@ def test_a_repeated_list_call_describes_nothing_and_finds_its_nccl_launch_once(
         col.destroy_collective_group(name)
 
 
+def test_a_list_call_first_made_while_capturing_is_built_again_after_the_capture(
+    ranks: Callable[..., Ranks],
+) -> None:
+    """A launch built during capture has no watchdog marker: no later call may reuse it."""
+    r = ranks(1)
+    name = _registered(r)
+    x, out = DeviceArray(SHAPE, "float32"), DeviceArray(SHAPE, "float32")
+    trace, me = r.cupys[0].trace, threading.get_ident()
+    try:
+        trace.capturing.add(caller_stream(0))
+        col.allgather([out], x, name)
+        assert not [e for e in trace.named("eventRecord") if e.thread == me]
+        trace.capturing.clear()
+        r.clear()
+        col.allgather([out], x, name)
+        names = [e.name for e in without_checks(trace.entries) if e.thread == me]
+        assert "allGather" in names and "eventRecord" in names, names
+    finally:
+        col.destroy_collective_group(name)
+
+
 def test_public_calls_are_checked_once_per_key_and_a_reused_address_of_another_dtype_rebuilds(
     ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
 ) -> None:

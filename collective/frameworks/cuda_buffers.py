@@ -125,36 +125,14 @@ def capturing(x: Any) -> bool:
     return bool(cupy.cuda.get_current_stream(x.device.id).is_capturing())
 
 
-def buffer_key(x: Any) -> tuple[Any, ...] | None:
-    """Return what an NCCL call depends on in GPU buffer ``x``, hashable; None: do not cache.
-
-    The key holds the address, dtype, shape, strides and device of ``x`` (for torch,
-    also whether it requires grad, and None when it does: such a tensor is checked
-    on every call). Two buffers with equal keys make the same NCCL calls, so a
-    launch built for one serves the other. Costs a few attribute reads, no
-    description; anything else than a cupy array or CUDA torch tensor gives a key
-    that no launch was built for.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        if x.requires_grad:
-            return None
-        return (x.data_ptr(), x.dtype, x.shape, x.stride(), x.get_device())
-    try:
-        data = x.data
-        return (data.ptr, x.dtype, x.shape, x.strides, data.device_id)
-    except AttributeError:
-        return None
-
-
 def launch_key(x: Any) -> tuple[Any, ...] | None:
-    """Return what a launch on GPU buffer ``x`` depends on: its ``buffer_key`` and stream.
+    """Return what a launch on GPU buffer ``x`` depends on, hashable; None: do not cache.
 
-    The key of ``buffer_key`` followed by the caller's current stream on the
-    buffer's device (``current_stream``), read with one kind check: a repeated call
-    pays a few attribute reads and one C call for the stream. None for a buffer on
-    no GPU, a torch tensor that requires grad, or anything else than a cupy array or
-    a torch tensor.
+    The address, dtype, shape, strides and device of ``x``, then the caller's current
+    stream on that device (``current_stream``), read with one kind check: a repeated
+    call pays a few attribute reads and one C call for the stream. None for a buffer
+    on no GPU, a torch tensor that requires grad, or anything else than a cupy array
+    or a torch tensor.
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
@@ -168,6 +146,19 @@ def launch_key(x: Any) -> tuple[Any, ...] | None:
     except AttributeError:
         return None
     return (*key, current_stream(x))
+
+
+def buffer_key(x: Any) -> tuple[Any, ...] | None:
+    """Return what an NCCL call depends on in GPU buffer ``x``, hashable; None: do not cache.
+
+    ``launch_key`` without the stream: the address, dtype, shape, strides and device
+    of ``x``. Two buffers with equal keys make the same NCCL calls, so a launch built
+    for one serves the other. None for a torch tensor that requires grad (it is
+    checked on every call), a buffer on no GPU, or anything else than a cupy array or
+    a torch tensor.
+    """
+    key = launch_key(x)
+    return None if key is None else key[:-1]
 
 
 _TORCH_STREAMS: dict[tuple[int, int], Any] = {}
