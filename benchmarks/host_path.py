@@ -12,8 +12,8 @@ bare loop that makes the op's own NCCL call (NCCL rows; Gloo: torch's
 
 The torch-like buffer is a CPU tensor subclass that says it lies on ``cuda:0``; its
 attribute reads cost about 0.1 us more each than a real tensor's. The caller's
-stream comes from a stand-in of ``cuda_buffers.current_stream`` that does what the
-real one does on a GPU (one kind check and one C call). ``--json PATH`` writes the
+stream comes from stand-ins of ``cuda_buffers.torch_stream`` and ``cupy_stream``
+that are one C call each, as the real ones are on a GPU. ``--json PATH`` writes the
 rows: ``path``, ``us_per_call``, ``bare_us_per_call``, ``python_calls``.
 """
 
@@ -60,13 +60,6 @@ class TorchLike(torch.Tensor):
 
     def get_device(self) -> int:
         return 0
-
-
-def _stream_of(x: Any) -> int:
-    """Stand in for ``cuda_buffers.current_stream`` on a GPU: a kind check, one C call."""
-    if isinstance(x, torch.Tensor):
-        return abs(x.get_device())
-    return abs(x.device.id)
 
 
 def _record_stream(x: Any, stream: int) -> None:
@@ -128,9 +121,15 @@ def _bare_cupy() -> Any:
 def nccl_group() -> Iterator[str]:
     """Yield the name of a world-size-1 NCCL group on do-nothing stand-ins."""
     cupy = _bare_cupy()
-    saved = (nccl_comm._probe, cuda_buffers.current_stream, cuda_buffers.record_stream)
+    saved = (
+        nccl_comm._probe,
+        cuda_buffers.torch_stream,
+        cuda_buffers.cupy_stream,
+        cuda_buffers.record_stream,
+    )
     nccl_comm._probe = lambda: (cupy, "")  # type: ignore[assignment]
-    cuda_buffers.current_stream, cuda_buffers.record_stream = _stream_of, _record_stream
+    cuda_buffers.torch_stream = cuda_buffers.cupy_stream = abs  # type: ignore[assignment]
+    cuda_buffers.record_stream = _record_stream
     nccl_comm._takes_bytes.cache_clear()
     store = TCPRendezvousStore(dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30)))
     name = f"host-path-{uuid.uuid4().hex[:8]}"
@@ -140,7 +139,12 @@ def nccl_group() -> Iterator[str]:
         yield name
     finally:
         col.destroy_collective_group(name)
-        nccl_comm._probe, cuda_buffers.current_stream, cuda_buffers.record_stream = saved
+        (
+            nccl_comm._probe,
+            cuda_buffers.torch_stream,
+            cuda_buffers.cupy_stream,
+            cuda_buffers.record_stream,
+        ) = saved
 
 
 def per_call_us(fn: Callable[[], Any], iters: int) -> float:

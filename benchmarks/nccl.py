@@ -157,7 +157,8 @@ class Run:
         if self.args.profile and "collective" in self.overhead:
             calls = self.args.overhead_calls
             text = pool.run(nccl_timing.profile, "collective", calls)[0]
-            self.args.profile.write_text(f"# ours, {calls} 8-byte allreduces\n{text}")
+            parts = pool.run(nccl_timing.device_calls, calls)[0]
+            self.args.profile.write_text(f"{parts}\n# ours, {calls} 8-byte allreduces\n{text}")
 
     def sweep(self, pool: RankPool, n: int, impls: list[str]) -> None:
         """Measure every op and size, rotating which implementation goes first."""

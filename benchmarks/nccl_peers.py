@@ -1,7 +1,8 @@
 """The NCCL implementations the benchmark compares, as they run inside one rank process.
 
-- ``collective``: our ``NCCLGroup`` on cupy arrays;
-- ``collective_torch``: the same group on CUDA torch tensors;
+- ``collective``: our public functions (``col.allreduce`` ...) on an ``NCCLGroup`` of
+  cupy arrays, as a user calls them;
+- ``collective_torch``: the same functions and group on CUDA torch tensors;
 - ``cupy_nccl``: raw ``cupy.cuda.nccl`` calls on one communicator (the floor we measure
   our overhead against);
 - ``torch_nccl``: torch.distributed's ProcessGroupNCCL, as most users know it.
@@ -23,18 +24,6 @@ from typing import Any
 
 from benchmarks.nccl_ranks import RankContext
 from collective.groups.nccl.comm import cupy_module, encode_unique_id, unique_id_argument
-from collective.types import (
-    AllGatherOptions,
-    AllReduceOptions,
-    AllToAllOptions,
-    BroadcastOptions,
-    GatherOptions,
-    RecvOptions,
-    ReduceOptions,
-    ReduceScatterOptions,
-    ScatterOptions,
-    SendOptions,
-)
 
 OPS = (
     "allreduce",
@@ -112,12 +101,14 @@ def rank_state() -> _Rank:
 def setup(context: RankContext, group_name: str) -> dict[str, str]:
     """Select GPU ``rank``, connect every implementation; return the unavailable ones and why."""
     from collective.groups.nccl.group import NCCLGroup
+    from collective.registry import held
 
     cupy = cupy_module()
     rank, n = context.rank, context.world_size
     cupy.cuda.Device(rank).use()
     state = _Rank(context, cupy)
     state.group = NCCLGroup(n, rank, group_name, context.store, TIMEOUT)
+    held.create_group(group_name, lambda: (state.group, context.store))
     nccl = cupy.cuda.nccl
     key = f"{group_name}/raw-unique-id"
     if rank == 0:
@@ -174,8 +165,10 @@ def describe(context: RankContext) -> dict[str, str]:
 
 def teardown(context: RankContext) -> None:
     """Destroy our group, the raw communicator and torch's group."""
+    import collective as col
+
     state = rank_state()
-    state.group.destroy_group()
+    col.destroy_collective_group(state.group.group_name)
     state.comm.destroy()
     if "torch_nccl" not in state.unavailable:
         import torch.distributed as dist
@@ -270,26 +263,26 @@ def sync() -> None:
 
 
 def _ours(op: str, b: Buffers) -> Callable[[], Any]:
+    import collective as col
+
     state = rank_state()
-    g, rank = state.group, state.context.rank
+    name, rank = state.group.group_name, state.context.rank
     root = rank == ROOT
     calls: dict[str, Callable[[], Any]] = {
-        "allreduce": lambda: g.allreduce([b.x], AllReduceOptions()),
-        "broadcast": lambda: g.broadcast([b.x], BroadcastOptions(root_rank=ROOT)),
-        "reduce": lambda: g.reduce([b.x], ReduceOptions(root_rank=ROOT)),
-        "allgather": lambda: g.allgather([b.outs], [b.x], AllGatherOptions()),
-        "reducescatter": lambda: g.reducescatter([b.out], [b.xs], ReduceScatterOptions()),
-        "alltoall": lambda: g.alltoall(b.outs, b.xs, AllToAllOptions()),
-        "gather": lambda: g.gather([b.outs if root else []], [b.x], GatherOptions(ROOT)),
-        "scatter": lambda: g.scatter([b.out], [b.xs if root else []], ScatterOptions(ROOT)),
+        "allreduce": lambda: col.allreduce(b.x, name),
+        "broadcast": lambda: col.broadcast(b.x, ROOT, name),
+        "reduce": lambda: col.reduce(b.x, ROOT, name),
+        "allgather": lambda: col.allgather(b.outs, b.x, name),
+        "reducescatter": lambda: col.reducescatter(b.out, b.xs, name),
+        "alltoall": lambda: col.alltoall(b.outs, b.xs, name),
+        "gather": lambda: col.gather(b.x, b.outs if root else None, ROOT, name),
+        "scatter": lambda: col.scatter(b.out, b.xs if root else None, ROOT, name),
     }
     if op != "sendrecv":
         return calls[op]
     if rank % 2 == 0:
-        send = SendOptions(dst_rank=rank + 1, dst_gpu_index=rank + 1)
-        return lambda: g.send([b.x], send)
-    recv = RecvOptions(src_rank=rank - 1, src_gpu_index=rank - 1)
-    return lambda: g.recv([b.out], recv)
+        return lambda: col.send(b.x, rank + 1, name)
+    return lambda: col.recv(b.out, rank - 1, name)
 
 
 def _raw(op: str, b: Buffers) -> Callable[[], Any]:

@@ -2,7 +2,8 @@
 
 ``measure`` times one op of one implementation as nccl-tests does: a burst of calls,
 then a wait for the GPU. ``overhead`` times single 8-byte allreduces on the host, which
-is where a wrapper's cost shows; ``profile`` says where that time goes in ours.
+is where a wrapper's cost shows; ``profile`` says where that time goes in ours, and
+``device_calls`` what each CUDA call on our path costs alone.
 """
 
 from __future__ import annotations
@@ -126,3 +127,50 @@ def profile(context: RankContext, impl: str, calls: int, lines: int = 40) -> str
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(lines)
     return text.getvalue()
+
+
+def device_calls(context: RankContext, calls: int) -> str:
+    """Return a table of what each call our blocking 8-byte allreduce makes costs alone, in µs.
+
+    Every CUDA and NCCL call of the path (see ``groups/nccl/running.py``), timed in a
+    loop of ``calls``, next to the whole public call on a cupy array and a torch tensor.
+    """
+    from collective.frameworks import cuda_buffers
+
+    state = rank_state()
+    cupy, runtime = state.cupy, state.cupy.cuda.runtime
+    c = buffers("cupy", "allreduce", 8)
+    x = c.x
+    stream = cupy.cuda.get_current_stream().ptr
+    event = cupy.cuda.Event(disable_timing=True)
+    f32, total = cupy.cuda.nccl.NCCL_FLOAT32, cupy.cuda.nccl.NCCL_SUM
+    parts: dict[str, Callable[[], Any]] = {
+        "public allreduce, cupy": op_call("collective", "allreduce", c),
+        "raw NcclCommunicator.allReduce": lambda: state.comm.allReduce(
+            x.data.ptr, x.data.ptr, 2, f32, total, stream
+        ),
+        "runtime.eventRecord": lambda: runtime.eventRecord(event.ptr, stream),
+        "runtime.streamIsCapturing": lambda: runtime.streamIsCapturing(stream),
+        "current_stream, cupy": lambda: cuda_buffers.current_stream(x),
+        "launch_key, cupy": lambda: cuda_buffers.launch_key(x),
+        "time.monotonic": time.monotonic,
+    }
+    if state.torch is not None:
+        t = buffers("torch", "allreduce", 8)
+        parts["public allreduce, torch"] = op_call("collective_torch", "allreduce", t)
+        parts["current_stream, torch"] = lambda: cuda_buffers.current_stream(t.x)
+        parts["launch_key, torch"] = lambda: cuda_buffers.launch_key(t.x)
+    rows = [f"# each call alone, {calls} calls, best of 3 (µs per call)"]
+    for name, fn in parts.items():
+        best = float("inf")
+        for _ in range(3):
+            sync()
+            start = time.perf_counter()
+            for i in range(calls):
+                fn()
+                if i % 500 == 499:
+                    sync()
+            best = min(best, time.perf_counter() - start)
+        rows.append(f"{name:>34} {best / calls * 1e6:8.3f}")
+    sync()
+    return "\n".join(rows) + "\n"

@@ -125,7 +125,7 @@ def contract_ranks(
     ``ContractCupy``s, to share their streams); all are destroyed at the end.
     """
     monkeypatch.setattr(nccl_comm, "_probe", _probe)
-    monkeypatch.setattr(cuda_buffers, "current_stream", lambda x: caller_stream(x.device.id))
+    monkeypatch.setattr(cuda_buffers, "cupy_stream", caller_stream)
     made: list[Ranks] = []
 
     def make(

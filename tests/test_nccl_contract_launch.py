@@ -103,13 +103,13 @@ def test_a_repeated_list_call_describes_nothing_and_finds_its_nccl_launch_once(
     ranks: Callable[..., Ranks], described: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     nccl_keys: list[Any] = []
-    real_key = cuda_buffers.buffer_key
+    real_key = cuda_buffers.launch_key
 
     def counting_key(x: Any) -> Any:
         nccl_keys.append(x)
         return real_key(x)
 
-    monkeypatch.setattr(cuda_buffers, "buffer_key", counting_key)
+    monkeypatch.setattr(cuda_buffers, "launch_key", counting_key)
     r = ranks(1)
     name = _registered(r)
     x, out = DeviceArray(SHAPE, "float32"), DeviceArray(SHAPE, "float32")
@@ -209,7 +209,7 @@ def test_another_buffer_stream_or_option_builds_its_own_launch(
     r.run(lambda _, g: g.allreduce([y], AllReduceOptions()))
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions(ReduceOp.MAX)))
     r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=0)))
-    monkeypatch.setattr(cuda_buffers, "current_stream", lambda x: 0xBEEF)
+    monkeypatch.setattr(cuda_buffers, "cupy_stream", lambda device: 0xBEEF)
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
     entries = without_checks(r.cupys[0].trace.entries)
     calls = [(e.name, e.args) for e in entries if e.name in ("allReduce", "broadcast")]

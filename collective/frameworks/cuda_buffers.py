@@ -95,19 +95,25 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
 
 
 def current_stream(x: Any) -> int:
-    """Return the handle of the caller's current CUDA stream on ``x``'s device.
+    """Return the handle of the caller's current CUDA stream on GPU buffer ``x``'s device.
 
-    That is torch's current stream for a torch tensor and cupy's for a cupy array:
-    one C call for either, once the framework is loaded.
+    That is torch's current stream for a torch tensor and cupy's for a cupy array.
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return int(raw(x.get_device()))
-        return int(torch.cuda.current_stream(x.device).cuda_stream)
+        return torch_stream(x.get_device())
+    return cupy_stream(x.device.id)
+
+
+def torch_stream(device: int) -> int:
+    """Return the handle of torch's current CUDA stream on GPU ``device``: one C call."""
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+
+
+def cupy_stream(device: int) -> int:
+    """Return the handle of cupy's current CUDA stream on GPU ``device``: one C call."""
     cupy = sys.modules.get("cupy") or importlib.import_module("cupy")
-    return int(cupy.cuda.get_current_stream(x.device.id).ptr)
+    return cupy.cuda.get_current_stream(device).ptr
 
 
 def capturing(x: Any) -> bool:
@@ -129,36 +135,24 @@ def launch_key(x: Any) -> tuple[Any, ...] | None:
     """Return what a launch on GPU buffer ``x`` depends on, hashable; None: do not cache.
 
     The address, dtype, shape, strides and device of ``x``, then the caller's current
-    stream on that device (``current_stream``), read with one kind check: a repeated
-    call pays a few attribute reads and one C call for the stream. None for a buffer
-    on no GPU, a torch tensor that requires grad, or anything else than a cupy array
-    or a torch tensor.
+    stream on that device (``torch_stream`` or ``cupy_stream``), read with one kind
+    check: a repeated call pays a few attribute reads and one C call for the stream.
+    None for a buffer on no GPU, a torch tensor that requires grad, or anything else
+    than a cupy array or a torch tensor.
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         device = x.get_device()
         if x.requires_grad or device < 0:
             return None
-        return (x.data_ptr(), x.dtype, x.shape, x.stride(), device, current_stream(x))
+        return (x.data_ptr(), x.dtype, x.shape, x.stride(), device, torch_stream(device))
     try:
         data = x.data
-        key = (data.ptr, x.dtype, x.shape, x.strides, data.device_id)
+        device = data.device_id
+        key = (data.ptr, x.dtype, x.shape, x.strides, device)
     except AttributeError:
         return None
-    return (*key, current_stream(x))
-
-
-def buffer_key(x: Any) -> tuple[Any, ...] | None:
-    """Return what an NCCL call depends on in GPU buffer ``x``, hashable; None: do not cache.
-
-    ``launch_key`` without the stream: the address, dtype, shape, strides and device
-    of ``x``. Two buffers with equal keys make the same NCCL calls, so a launch built
-    for one serves the other. None for a torch tensor that requires grad (it is
-    checked on every call), a buffer on no GPU, or anything else than a cupy array or
-    a torch tensor.
-    """
-    key = launch_key(x)
-    return None if key is None else key[:-1]
+    return (*key, cupy_stream(device))
 
 
 _TORCH_STREAMS: dict[tuple[int, int], Any] = {}

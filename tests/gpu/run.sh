@@ -8,8 +8,8 @@
 # Without a GPU every part says why it did not run, and the script still succeeds.
 # Writes to $OUT: summary.md (machine, pytest summary, benchmark tables), env.txt,
 # pytest.log, bench.log, bench.txt, bench.json, bench_nocheck.txt (the 8-byte per-call
-# table with the NCCL mismatch check off) and profile.txt (where our 8-byte
-# allreduce spends its time): eight files, so that a tool that copies back at most
+# table with the NCCL mismatch check off) and profile.txt (what each CUDA call of our
+# 8-byte allreduce costs alone, and where the call spends its time): eight files, so that a tool that copies back at most
 # eight brings them all. Exits non-zero if a test or the benchmark failed.
 # Time limits (seconds), each overridable: GPU_TESTS_TIMEOUT_S, BENCH_TIMEOUT_S and
 # BENCH_BUDGET_S (the benchmark stops measuring new points after it).
@@ -105,6 +105,12 @@ COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops all
     echo
     echo '```text'
     if [ -s "$OUT/bench.txt" ]; then cat "$OUT/bench.txt"; else tail -n 40 "$OUT/bench.log"; fi
+    echo '```'
+    echo
+    echo "## what each call of our 8-byte allreduce costs alone (from profile.txt)"
+    echo
+    echo '```text'
+    if [ -s "$OUT/profile.txt" ]; then sed -n '1,/^$/p' "$OUT/profile.txt"; else echo "no profile"; fi
     echo '```'
     echo
     echo "## the same, 8-byte allreduce, with COLLECTIVE_NCCL_CHECK=0 (the mismatch check off)"

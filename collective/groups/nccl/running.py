@@ -103,13 +103,7 @@ class NcclRunning(NcclLifecycle):
         signed: tuple[int, ReduceOp | None] | None = None,
     ) -> tuple[Launch, bool]:
         """Return the launch of a call of ``op`` (see ``_op``), and whether it is kept."""
-        key = (
-            op,
-            options.async_op,
-            extra,
-            tuple(map(cuda_buffers.buffer_key, buffers)),
-            tuple(map(cuda_buffers.current_stream, device_buffers)),
-        )
+        key = (op, options.async_op, extra, tuple(map(cuda_buffers.launch_key, buffers)))
         launch = self._launches.get(key)
         if launch is not None:
             return launch, True
@@ -190,7 +184,7 @@ class NcclRunning(NcclLifecycle):
                 if async_op:
                     streams = tuple(self._stream(d) for d in devices)
                 else:
-                    streams = tuple(key[4])
+                    streams = tuple(map(cuda_buffers.current_stream, device_buffers))
                 capturing = not async_op and self._watch.capturing(streams[0])
                 markers = tuple(
                     self._watch.marker(s, d)
