@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +178,21 @@ def record_stream(x: Any, stream: int) -> None:
             wrapper = torch.cuda.ExternalStream(stream, device=x.device)
             wrapper = _TORCH_STREAMS.setdefault(key, wrapper)
         x.record_stream(wrapper)
+
+
+def record_streams(xs: Sequence[Any], devices: Sequence[int], streams: Sequence[int]) -> None:
+    """``record_stream`` each torch tensor of ``xs`` on the stream of its device.
+
+    ``streams[i]`` is the stream of GPU ``devices[i]``; other buffers than torch
+    tensors are left alone.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            stream = streams[0] if len(streams) == 1 else streams[devices.index(x.get_device())]
+            record_stream(x, stream)
 
 
 def synchronize_device(gpu_id: int) -> None:

@@ -69,16 +69,6 @@ STREAMS = StreamPool()
 """The process's comm streams."""
 
 
-def record(cuda: Any, event: Any, stream: int) -> None:
-    """Record cupy ``event`` on the stream of handle ``stream``."""
-    cuda.runtime.eventRecord(event.ptr, stream)
-
-
-def follow(cuda: Any, stream: int, event: Any) -> None:
-    """Make the stream of handle ``stream`` wait for cupy ``event``, without blocking the host."""
-    cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
-
-
 def events_done(cuda: Any, events: Sequence[Any]) -> bool:
     """Return whether every one of ``events`` has completed.
 

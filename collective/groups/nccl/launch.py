@@ -62,6 +62,9 @@ class Launch:
     single: NcclCall | None
     signed: Signed | None = None
     """The op's signature check, issued just ahead of it; None for ops not checked."""
+    callers: tuple[int, ...] = ()
+    """The caller's current stream on each device, which the launch's key fixes: an
+    async op's comm streams wait for them, and its ``Work.wait`` orders them after it."""
 
     def issue(self, nccl: Any, cuda: Any) -> None:
         """Issue the calls; on a failure inside the NCCL group, discard the whole group.
@@ -94,8 +97,13 @@ def build(
     device_calls: DeviceCalls,
     markers: tuple[Marker, ...],
     signed: Signed | None = None,
+    callers: tuple[int, ...] = (),
 ) -> Launch:
-    """Return the launch of ``device_calls`` on ``comms``, device i's calls on ``streams[i]``."""
+    """Return the launch of ``device_calls`` on ``comms``, device i's calls on ``streams[i]``.
+
+    ``callers`` are the caller's streams (see ``Launch.callers``); a blocking
+    launch's ``streams`` are they.
+    """
     calls = tuple(
         tuple(device_calls(i, comm, s))
         for i, (comm, s) in enumerate(zip(comms, streams, strict=True))
@@ -107,4 +115,4 @@ def build(
         and getattr(calls[0][0][0], "__self__", None) in comms
     ):
         single = calls[0][0]
-    return Launch(op, devices, calls, streams, markers, single, signed)
+    return Launch(op, devices, calls, streams, markers, single, signed, callers)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -164,7 +165,7 @@ class NcclLifecycle(BaseGroup):
 
     def _all_comms(self) -> list[Any]:
         with self._lock:
-            return [c for entry in self._comms.values() for c in entry]
+            return list(chain.from_iterable(self._comms.values()))
 
     def _close(self) -> None:
         """Refuse later ops and forget every launch (they hold the communicators)."""

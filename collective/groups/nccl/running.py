@@ -36,7 +36,7 @@ from typing import Any
 from collective.frameworks import cuda_buffers
 from collective.groups.launches import Launch as PublicLaunch
 from collective.groups.launches import Prepared
-from collective.groups.nccl.cuda import NcclWork, follow, record, settled
+from collective.groups.nccl.cuda import NcclWork, settled
 from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
 from collective.groups.nccl.lifecycle import Builder, NcclLifecycle
 from collective.types import CollectiveError, ReduceOp
@@ -63,10 +63,6 @@ class NcclRunning(NcclLifecycle):
         with self._cuda.Device(device):
             return self._cuda.Event(disable_timing=True)
 
-    def _give_back(self, device: int, events: Sequence[Any]) -> None:
-        """Return ``events`` of GPU ``device`` to the pool: every wait on them is queued."""
-        self._events.setdefault(device, []).extend(events)
-
     def _op(
         self,
         op: str,
@@ -88,7 +84,7 @@ class NcclRunning(NcclLifecycle):
         timeout = options.timeout or self.timeout
         launch, _ = self._launch(op, options, buffers, device_buffers, extra, builder, signed)
         if options.async_op:
-            return self._run_async(launch, timeout, device_buffers, buffers)
+            return self._run_async(launch, timeout, buffers)
         self._run(launch, timeout)
         return DONE
 
@@ -127,7 +123,7 @@ class NcclRunning(NcclLifecycle):
         timeout = options.timeout or self.timeout
         if options.async_op:
             run_async = self._run_async
-            return (lambda x: run_async(launch, timeout, (x,), (x,))), kept
+            return (lambda x: run_async(launch, timeout, (x,))), kept
         return partial(self._run, launch, timeout), kept
 
     def prepare(self, op: str, args: tuple[Any, ...], options: Any) -> tuple[Prepared, bool]:
@@ -148,8 +144,7 @@ class NcclRunning(NcclLifecycle):
             run_async = self._run_async
 
             def run_async_op(make: Callable[[], tuple[Any, ...]]) -> Work:
-                buffers, device_buffers, *_ = describe(*make(), options)
-                return run_async(launch, timeout, device_buffers, buffers)
+                return run_async(launch, timeout, describe(*make(), options)[0])
 
             return run_async_op, kept
         run = self._run
@@ -181,10 +176,8 @@ class NcclRunning(NcclLifecycle):
             self._check_usable(self._destroyed)
             try:
                 comms = communicators(timeout)
-                if async_op:
-                    streams = tuple(self._stream(d) for d in devices)
-                else:
-                    streams = tuple(map(cuda_buffers.current_stream, device_buffers))
+                callers = tuple(map(cuda_buffers.current_stream, device_buffers))
+                streams = tuple(map(self._stream, devices)) if async_op else callers
                 capturing = not async_op and self._watch.capturing(streams[0])
                 markers = tuple(
                     self._watch.marker(s, d)
@@ -201,7 +194,7 @@ class NcclRunning(NcclLifecycle):
                 ):
                     first = (device_buffers[0], devices[0], comms[0], streams[0])
                     check = self._signed(op, *first, *signed)
-                launch = build(op, devices, comms, streams, device_calls, markers, check)
+                launch = build(op, devices, comms, streams, device_calls, markers, check, callers)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
             kept = None not in key[3] and not capturing
@@ -242,16 +235,16 @@ class NcclRunning(NcclLifecycle):
                 for marker in launch.markers:
                     self._watch.issued(marker, launch.op, timeout)
 
-    def _run_async(
-        self,
-        launch: Launch,
-        timeout: timedelta,
-        device_buffers: Sequence[Any],
-        buffers: Sequence[Any],
-    ) -> Work:
-        """Issue an async op's launch on the comm streams, after the callers' streams."""
+    def _run_async(self, launch: Launch, timeout: timedelta, buffers: Sequence[Any]) -> Work:
+        """Issue an async op's launch on the comm streams, after the callers' streams.
+
+        ``buffers``, every caller buffer the op reads or writes, are held until the
+        op's events have completed; torch's allocator is told the comm streams use them.
+        """
         cuda = self._cuda
-        callers = [cuda_buffers.current_stream(a) for a in device_buffers]
+        runtime, pool = cuda.runtime, self._events
+        ready: list[Any] = []
+        done: list[Any] = []
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
@@ -259,49 +252,47 @@ class NcclRunning(NcclLifecycle):
                 found = self._mismatch()
                 if found is not None:
                     raise found
-            signed = launch.signed
+            devices, streams = launch.devices, launch.streams
             try:
-                ready = [self._event(d) for d in launch.devices]
-                for device, event, stream, caller in zip(
-                    launch.devices, ready, launch.streams, callers, strict=True
-                ):
+                for device, stream, caller in zip(devices, streams, launch.callers, strict=True):
+                    free = pool.get(device)
+                    event = free.pop() if free else self._event(device)
+                    ready.append(event)
                     with cuda.Device(device):
-                        record(cuda, event, caller)
-                        follow(cuda, stream, event)
+                        runtime.eventRecord(event.ptr, caller)
+                        runtime.streamWaitEvent(stream, event.ptr, 0)
+                signed, single = launch.signed, launch.single
                 if signed is not None:
-                    signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
-                launch.issue(self._nccl, cuda)
-                done = [self._event(d) for d in launch.devices]
-                for device, event, stream in zip(launch.devices, done, launch.streams, strict=True):
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, streams[0])
+                if single is not None:
+                    single[0](*single[1])
+                else:
+                    launch.issue(self._nccl, cuda)
+                for device, stream in zip(devices, streams, strict=True):
+                    free = pool.get(device)
+                    event = free.pop() if free else self._event(device)
+                    done.append(event)
                     with cuda.Device(device):
-                        record(cuda, event, stream)
-                by_device = dict(zip(launch.devices, launch.streams, strict=True))
-                for x in buffers:
-                    if len(by_device) == 1:
-                        cuda_buffers.record_stream(x, launch.streams[0])
-                    else:
-                        cuda_buffers.record_stream(
-                            x, by_device[cuda_buffers.cuda_buffer(x, "tensor").device]
-                        )
+                        runtime.eventRecord(event.ptr, stream)
+                cuda_buffers.record_streams(buffers, devices, streams)
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
             for marker in launch.markers:
-                if not self._watch.capturing(marker.stream):
-                    self._watch.issued(marker, launch.op, timeout)
-            for device, event in zip(launch.devices, ready, strict=True):
-                self._give_back(device, [event])
+                self._watch.issued_unless_capturing(marker, launch.op, timeout)
+            for device, event in zip(devices, ready, strict=True):
+                pool.setdefault(device, []).append(event)
         with self._lock:
             if len(self._inflight) > 8:
                 self._inflight = [e for e in self._inflight if not settled(cuda, e[0])]
             self._inflight.append((done, list(buffers)))
 
         def order_after() -> None:
-            for device, event, caller in zip(launch.devices, done, callers, strict=True):
+            for device, event, caller in zip(devices, done, launch.callers, strict=True):
                 with cuda.Device(device):
-                    follow(cuda, caller, event)
+                    runtime.streamWaitEvent(caller, event.ptr, 0)
             with self._op_lock:
-                for device, event in zip(launch.devices, done, strict=True):
-                    self._give_back(device, [event])
+                for device, event in zip(devices, done, strict=True):
+                    pool.setdefault(device, []).append(event)
 
         return NcclWork(
             launch.op, cuda, done, self._all_comms(), order_after, self._fail, timeout, self._broken
