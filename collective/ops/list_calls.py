@@ -97,8 +97,13 @@ def call_key(
         return None
     parts: list[Hashable] = [op, timeout, async_op]
     try:
-        for value in extra:
-            parts.append(extra_key(value))
+        for value in extra:  # a root and a reduction, the usual ones, keyed here
+            if value.__class__ is int:
+                parts.append(value)
+            elif value.__class__ is ReduceOp:
+                parts.append(("op", value._value_))
+            else:
+                parts.append(extra_key(value))
         for x in args:
             k = arg_key(group, x)
             if k is None:

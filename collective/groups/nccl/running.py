@@ -84,7 +84,7 @@ class NcclRunning(NcclLifecycle):
         timeout = options.timeout or self.timeout
         launch, _ = self._launch(op, options, buffers, device_buffers, extra, builder, signed)
         if options.async_op:
-            return self._run_async(launch, timeout, buffers)
+            return self._run_async(launch, timeout, *buffers)
         self._run(launch, timeout)
         return DONE
 
@@ -122,8 +122,7 @@ class NcclRunning(NcclLifecycle):
         launch, kept = self._launch(op, options, *describe((x,), options))
         timeout = options.timeout or self.timeout
         if options.async_op:
-            run_async = self._run_async
-            return (lambda x: run_async(launch, timeout, (x,))), kept
+            return partial(self._run_async, launch, timeout), kept
         return partial(self._run, launch, timeout), kept
 
     def prepare(self, op: str, args: tuple[Any, ...], options: Any) -> tuple[Prepared, bool]:
@@ -144,7 +143,7 @@ class NcclRunning(NcclLifecycle):
             run_async = self._run_async
 
             def run_async_op(make: Callable[[], tuple[Any, ...]]) -> Work:
-                return run_async(launch, timeout, describe(*make(), options)[0])
+                return run_async(launch, timeout, *describe(*make(), options)[0])
 
             return run_async_op, kept
         run = self._run
@@ -235,7 +234,7 @@ class NcclRunning(NcclLifecycle):
                 for marker in launch.markers:
                     self._watch.issued(marker, launch.op, timeout)
 
-    def _run_async(self, launch: Launch, timeout: timedelta, buffers: Sequence[Any]) -> Work:
+    def _run_async(self, launch: Launch, timeout: timedelta, *buffers: Any) -> Work:
         """Issue an async op's launch on the comm streams, after the callers' streams.
 
         ``buffers``, every caller buffer the op reads or writes, are held until the
@@ -277,8 +276,10 @@ class NcclRunning(NcclLifecycle):
                 cuda_buffers.record_streams(buffers, devices, streams)
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
+            watch = self._watch
             for marker in launch.markers:
-                self._watch.issued_unless_capturing(marker, launch.op, timeout)
+                if not watch.capturing(marker.stream):
+                    watch.issued(marker, launch.op, timeout)
             for device, event in zip(devices, ready, strict=True):
                 pool.setdefault(device, []).append(event)
         with self._lock:

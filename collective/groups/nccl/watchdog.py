@@ -117,14 +117,6 @@ class Watch:
             if earliest is None:
                 WATCHDOG.wake(self)
 
-    def issued_unless_capturing(self, marker: Marker, op: str, timeout: timedelta) -> None:
-        """Mark that ``op`` was just queued on ``marker``'s stream, unless that stream captures.
-
-        For an async op, whose comm stream captures a graph when the caller's stream does.
-        """
-        if not self.capturing(marker.stream):
-            self.issued(marker, op, timeout)
-
     def pending(self) -> list[Any]:
         """Return the events of the ops not yet seen finished, and of the checks not yet read."""
         markers = [m.event for m in list(self.markers.values()) if m.deadline is not None]
