@@ -55,11 +55,12 @@ them for the op's arguments (see ``_op``); describing a call makes nothing: its
 class NcclRunning(NcclLifecycle):
     """Runs each op through its cached launch; ``p2p`` and ``group`` describe the ops."""
 
-    def _event(self, device: int) -> Any:
-        """Return a free event of GPU ``device`` from the group's pool, made if none is free."""
-        free = self._events.get(device)
-        if free:
-            return free.pop()
+    def _new_event(self, device: int) -> Any:
+        """Return a new event of GPU ``device``, for the group's pool (``_events``).
+
+        An async op takes its events from the pool, and makes one when none of its
+        device is free; each goes back once every wait on it is queued.
+        """
         with self._cuda.Device(device):
             return self._cuda.Event(disable_timing=True)
 
@@ -255,7 +256,7 @@ class NcclRunning(NcclLifecycle):
             try:
                 for device, stream, caller in zip(devices, streams, launch.callers, strict=True):
                     free = pool.get(device)
-                    event = free.pop() if free else self._event(device)
+                    event = free.pop() if free else self._new_event(device)
                     ready.append(event)
                     with cuda.Device(device):
                         runtime.eventRecord(event.ptr, caller)
@@ -269,7 +270,7 @@ class NcclRunning(NcclLifecycle):
                     launch.issue(self._nccl, cuda)
                 for device, stream in zip(devices, streams, strict=True):
                     free = pool.get(device)
-                    event = free.pop() if free else self._event(device)
+                    event = free.pop() if free else self._new_event(device)
                     done.append(event)
                     with cuda.Device(device):
                         runtime.eventRecord(event.ptr, stream)
