@@ -34,6 +34,7 @@ from tests.test_gloo_group import (
     DTYPES,
     SHAPE,
     WORLD_SIZES,
+    Absence,
     _kinds,
     as_numpy,
     assert_equal,
@@ -339,21 +340,26 @@ def test_async_staged_output_is_written_on_wait() -> None:
 
 
 def test_async_failure_is_raised_by_wait_and_reported_by_exception() -> None:
+    absence = Absence()
+
     def fn(group: GlooGroup, rank: int) -> dict[str, Any]:
         if rank == 1:
-            time.sleep(4)  # never joins the allreduce; rank 0's times out
+            absence.stay()  # never joins the allreduce; rank 0's times out
             return {}
-        work = group.allreduce(
-            [torch.ones(4)], AllReduceOptions(timeout=timedelta(seconds=1), async_op=True)
-        )
-        with pytest.raises(CollectiveTimeoutError) as raised:
-            work.wait()
-        deadline = time.monotonic() + 5
-        while not work.is_completed() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with pytest.raises(CollectiveError, match="unusable"):
-            group.allreduce([torch.ones(4)], AllReduceOptions(async_op=True))
-        return {"same": work.exception() is raised.value, "done": work.is_completed()}
+        try:
+            work = group.allreduce(
+                [torch.ones(4)], AllReduceOptions(timeout=timedelta(seconds=1), async_op=True)
+            )
+            with pytest.raises(CollectiveTimeoutError) as raised:
+                work.wait()
+            deadline = time.monotonic() + 5
+            while not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(CollectiveError, match="unusable"):
+                group.allreduce([torch.ones(4)], AllReduceOptions(async_op=True))
+            return {"same": work.exception() is raised.value, "done": work.is_completed()}
+        finally:
+            absence.done()
 
     result = run_ranks(2, fn, group_timeout=timedelta(seconds=10))[0]
     assert result == {"same": True, "done": True}
@@ -362,22 +368,27 @@ def test_async_failure_is_raised_by_wait_and_reported_by_exception() -> None:
 @pytest.mark.parametrize("op", ["gather", "scatter", "alltoall"])
 def test_new_ops_time_out_instead_of_hanging(op: str) -> None:
     timeout = timedelta(seconds=1)
+    absence = Absence()
 
     def fn(group: GlooGroup, rank: int) -> tuple[str, float]:
         if rank == 1:
-            time.sleep(4)  # never joins; rank 0 must give up on its own
+            absence.stay()  # never joins; rank 0 must give up on its own
             return "absent", 0.0
-        start = time.monotonic()
-        x = torch.ones(4)
-        with pytest.raises(CollectiveTimeoutError) as raised:
-            if op == "gather":
-                group.gather([[torch.zeros(4), torch.zeros(4)]], [x], GatherOptions(0, timeout))
-            elif op == "scatter":  # the absent rank is the root: a root may finish alone
-                group.scatter([x], [[]], ScatterOptions(1, timeout))
-            else:
-                outputs = [torch.zeros(4), torch.zeros(4)]
-                group.alltoall(outputs, [x, x], AllToAllOptions(timeout))
-        return str(raised.value), time.monotonic() - start
+        try:
+            start = time.monotonic()
+            x = torch.ones(4)
+            with pytest.raises(CollectiveTimeoutError) as raised:
+                if op == "gather":
+                    gathered = [[torch.zeros(4), torch.zeros(4)]]
+                    group.gather(gathered, [x], GatherOptions(0, timeout))
+                elif op == "scatter":  # the absent rank is the root: a root may finish alone
+                    group.scatter([x], [[]], ScatterOptions(1, timeout))
+                else:
+                    outputs = [torch.zeros(4), torch.zeros(4)]
+                    group.alltoall(outputs, [x, x], AllToAllOptions(timeout))
+            return str(raised.value), time.monotonic() - start
+        finally:
+            absence.done()
 
     message, elapsed = run_ranks(2, fn, group_timeout=timedelta(seconds=10))[0]
     assert op in message

@@ -48,6 +48,34 @@ GROUP_TIMEOUT = timedelta(seconds=20)
 JOIN_TIMEOUT_S = 60.0
 """Bound on waiting for all rank threads of one run; past it the test fails."""
 
+
+class Absence:
+    """Keeps a rank in its group, out of the op under test, until the other ranks are done.
+
+    The absent rank calls ``stay()``; each of the ``present`` others calls ``done()``
+    once it has seen the op fail. So the absent rank neither leaves early (which
+    would fail the op another way) nor keeps the test waiting past the op's timeout.
+    ``stay`` gives up after ``JOIN_TIMEOUT_S / 2``.
+    """
+
+    def __init__(self, present: int = 1) -> None:
+        """Wait for ``present`` ranks."""
+        self._left = present
+        self._lock = threading.Lock()
+        self._all_done = threading.Event()
+
+    def stay(self) -> None:
+        """Block until every present rank is done."""
+        self._all_done.wait(JOIN_TIMEOUT_S / 2)
+
+    def done(self) -> None:
+        """Say that this present rank is done with the op."""
+        with self._lock:
+            self._left -= 1
+            if self._left <= 0:
+                self._all_done.set()
+
+
 WORLD_SIZES = [1, 2, 4]
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
 SHAPE = (4, 4)
@@ -609,26 +637,31 @@ def test_read_only_and_expanded_inputs_are_accepted() -> None:
 
 
 def test_allreduce_timeout_makes_the_group_unusable() -> None:
+    absence = Absence()
+
     def fn(group: GlooGroup, rank: int) -> dict[str, Any]:
         if rank == 1:
-            time.sleep(4.0)  # never joins the allreduce
+            absence.stay()  # never joins the allreduce
             return {}
-        out: dict[str, Any] = {"error_before": group.error}
-        start = time.monotonic()
         try:
-            group.allreduce([torch.ones(3)], AllReduceOptions(timeout=timedelta(seconds=2)))
-        except CollectiveError as exc:
-            out["timeout"] = exc
-        out["timeout_s"] = time.monotonic() - start
-        start = time.monotonic()
-        try:
-            group.barrier(BarrierOptions())
-        except CollectiveError as exc:
-            out["later"] = exc
-        out["later_s"] = time.monotonic() - start
-        out["error_after"] = group.error
-        out["name"] = group.group_name
-        return out
+            out: dict[str, Any] = {"error_before": group.error}
+            start = time.monotonic()
+            try:
+                group.allreduce([torch.ones(3)], AllReduceOptions(timeout=timedelta(seconds=2)))
+            except CollectiveError as exc:
+                out["timeout"] = exc
+            out["timeout_s"] = time.monotonic() - start
+            start = time.monotonic()
+            try:
+                group.barrier(BarrierOptions())
+            except CollectiveError as exc:
+                out["later"] = exc
+            out["later_s"] = time.monotonic() - start
+            out["error_after"] = group.error
+            out["name"] = group.group_name
+            return out
+        finally:
+            absence.done()
 
     result = run_ranks(2, fn)[0]
     name = result["name"]
@@ -652,21 +685,27 @@ def test_allreduce_timeout_makes_the_group_unusable() -> None:
 
 
 def test_recv_timeout_makes_the_group_unusable() -> None:
+    absence = Absence()
+
     def fn(group: GlooGroup, rank: int) -> dict[str, Any]:
         if rank == 1:
-            time.sleep(3.0)  # never sends
+            absence.stay()  # never sends
             return {}
-        out: dict[str, Any] = {}
-        start = time.monotonic()
         try:
-            group.recv([torch.zeros(3)], RecvOptions(src_rank=1, timeout=timedelta(seconds=2)))
-        except CollectiveError as exc:
-            out["timeout"] = exc
-        out["timeout_s"] = time.monotonic() - start
-        with pytest.raises(CollectiveError, match="unusable"):
-            group.send([torch.zeros(3)], SendOptions(dst_rank=1))
-        out["error"] = group.error
-        return out
+            out: dict[str, Any] = {}
+            start = time.monotonic()
+            try:
+                options = RecvOptions(src_rank=1, timeout=timedelta(seconds=2))
+                group.recv([torch.zeros(3)], options)
+            except CollectiveError as exc:
+                out["timeout"] = exc
+            out["timeout_s"] = time.monotonic() - start
+            with pytest.raises(CollectiveError, match="unusable"):
+                group.send([torch.zeros(3)], SendOptions(dst_rank=1))
+            out["error"] = group.error
+            return out
+        finally:
+            absence.done()
 
     result = run_ranks(2, fn)[0]
     exc = result.get("timeout")

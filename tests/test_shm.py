@@ -43,7 +43,13 @@ from collective.types import (
     ScatterOptions,
     SendOptions,
 )
-from tests.test_gloo_group import JOIN_TIMEOUT_S, _client_store, _master_store, _run_threads
+from tests.test_gloo_group import (
+    JOIN_TIMEOUT_S,
+    Absence,
+    _client_store,
+    _master_store,
+    _run_threads,
+)
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -521,15 +527,20 @@ def test_alltoall_sizes_that_do_not_pair_up_raise_on_every_rank_and_keep_the_gro
 
 
 def test_a_timeout_names_the_rank_that_never_reached_the_op() -> None:
+    absence = Absence(present=2)
+
     def fn(group: CpuGroup, rank: int) -> tuple[str, str, float] | None:
         group.barrier(BarrierOptions())
         if rank == 2:
-            time.sleep(3)
+            absence.stay()
             return None
-        start = time.monotonic()
-        with pytest.raises(CollectiveError) as raised:
-            group.allreduce([np.ones(3)], AllReduceOptions(timeout=timedelta(seconds=1)))
-        return type(raised.value).__name__, str(raised.value), time.monotonic() - start
+        try:
+            start = time.monotonic()
+            with pytest.raises(CollectiveError) as raised:
+                group.allreduce([np.ones(3)], AllReduceOptions(timeout=timedelta(seconds=1)))
+            return type(raised.value).__name__, str(raised.value), time.monotonic() - start
+        finally:
+            absence.done()
 
     results = [r for r in run_cpu(3, fn) if r is not None]
     timeouts = [message for kind, message, _ in results if kind == "CollectiveTimeoutError"]
@@ -593,18 +604,23 @@ def test_two_threads_drive_two_groups_of_the_same_ranks() -> None:
 
 
 def test_destroy_with_a_pending_op_returns_at_once_and_ends_the_op() -> None:
+    absence = Absence()
+
     def fn(group: CpuGroup, rank: int) -> tuple[float, str] | None:
         if rank == 1:
-            time.sleep(2)  # never joins
+            absence.stay()  # never joins
             return None
-        work = group.allreduce([np.ones(4)], AllReduceOptions(async_op=True))
-        time.sleep(0.2)
-        start = time.monotonic()
-        group.destroy_group()
-        took = time.monotonic() - start
-        with pytest.raises(CollectiveError, match="destroyed") as raised:
-            work.wait()
-        return took, str(raised.value)
+        try:
+            work = group.allreduce([np.ones(4)], AllReduceOptions(async_op=True))
+            time.sleep(0.2)
+            start = time.monotonic()
+            group.destroy_group()
+            took = time.monotonic() - start
+            with pytest.raises(CollectiveError, match="destroyed") as raised:
+                work.wait()
+            return took, str(raised.value)
+        finally:
+            absence.done()
 
     took, message = run_cpu(2, fn, timeout=timedelta(seconds=30))[0]
     assert took < 1.0, took
