@@ -62,24 +62,6 @@ def arg_key(group: BaseGroup, x: Any) -> Hashable | None:
     return None if k is None else ("buffer", k)
 
 
-def extra_key(value: Any) -> Hashable:
-    """Return the key of a root, a reduction or a list of sizes; raise when it has none.
-
-    Raises:
-        KeyError: ``value`` is none of those, of the exact types a key holds.
-
-    """
-    if value.__class__ is int:
-        return value
-    if value.__class__ is ReduceOp:
-        return ("op", value._value_)
-    if value.__class__ is list or value.__class__ is tuple:
-        if all(v.__class__ is int for v in value):
-            return ("sizes", *value)
-        raise KeyError(value)
-    return ("op", REDUCE_OP_VALUES[value])
-
-
 def call_key(
     group: BaseGroup,
     op: str,
@@ -90,20 +72,25 @@ def call_key(
 ) -> Hashable | None:
     """Return the key of a call of ``op`` on ``args``, or None when it must be checked every time.
 
-    ``extra`` holds the call's other arguments (a root, a reduction, split sizes);
-    each must have an ``extra_key`` for the call to have a key.
+    ``extra`` holds the call's other arguments, each of which must be a root (an
+    ``int``), a reduction (a ``ReduceOp`` or its name) or a list of split sizes (of
+    ``int``) for the call to have a key.
     """
     if async_op.__class__ is not bool or not (timeout is None or timeout.__class__ is timedelta):
         return None
     parts: list[Hashable] = [op, timeout, async_op]
     try:
-        for value in extra:  # a root and a reduction, the usual ones, keyed here
+        for value in extra:
             if value.__class__ is int:
                 parts.append(value)
             elif value.__class__ is ReduceOp:
                 parts.append(("op", value._value_))
-            else:
-                parts.append(extra_key(value))
+            elif value.__class__ is list or value.__class__ is tuple:
+                if not all(v.__class__ is int for v in value):
+                    return None
+                parts.append(("sizes", *value))
+            else:  # a reduction's name; anything else has no key (KeyError, TypeError)
+                parts.append(("op", REDUCE_OP_VALUES[value]))
         for x in args:
             k = arg_key(group, x)
             if k is None:

@@ -45,7 +45,7 @@ class NCCLGroup(NcclPointToPoint):
 
             return tensors, self._comms_of(bufs), device_calls
 
-        return tensors, tensors, (options.reduce_op._value_,), builder, (-1, options.reduce_op)
+        return tensors, (options.reduce_op._value_,), builder, (-1, options.reduce_op)
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensors, in place."""
@@ -79,7 +79,7 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), device_calls
 
         extra = (options.reduce_op._value_, options.root_rank, options.root_tensor)
-        return tensors, tensors, extra, builder, (options.root_rank, options.reduce_op)
+        return tensors, extra, builder, (options.root_rank, options.reduce_op)
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; other ranks' tensors are left unchanged."""
@@ -97,7 +97,7 @@ class NCCLGroup(NcclPointToPoint):
             return tensors, self._comms_of(bufs), device_calls
 
         extra = (options.root_rank, options.root_tensor)
-        return tensors, tensors, extra, builder, (options.root_rank, None)
+        return tensors, extra, builder, (options.root_rank, None)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensors, in place."""
@@ -156,7 +156,7 @@ class NCCLGroup(NcclPointToPoint):
         flat = [x for xs in tensor_lists for x in xs]
         shape = tuple(len(xs) for xs in tensor_lists)
         buffers = [*tensors, *flat]
-        return buffers, tensors, shape, builder, (-1, None)
+        return buffers, shape, builder, (-1, None)
 
     def reducescatter(
         self,
@@ -213,4 +213,4 @@ class NCCLGroup(NcclPointToPoint):
         extra = (options.reduce_op._value_, *(len(xs) for xs in tensor_lists))
         signed = (-1, options.reduce_op)
         buffers = [*tensors, *flat]
-        return buffers, tensors, extra, builder, signed
+        return buffers, extra, builder, signed

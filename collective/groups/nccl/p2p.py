@@ -64,7 +64,7 @@ class NcclPointToPoint(NcclRunning):
 
             return tensors, communicators, device_calls
 
-        return tensors, tensors, (peer, gpu, options.n_elements), builder, None
+        return tensors, (peer, gpu, options.n_elements), builder, None
 
     def _send_parts(self, tensors: Sequence[Any], options: SendOptions) -> OpParts:
         return self._p2p_parts("send", tensors, options, options.dst_rank, options.dst_gpu_index)
@@ -125,7 +125,7 @@ class NcclPointToPoint(NcclRunning):
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
         buffers = [*tensors, *flat]
-        return buffers, tensors, extra, builder, (root, None)
+        return buffers, extra, builder, (root, None)
 
     def scatter(
         self,
@@ -164,7 +164,7 @@ class NcclPointToPoint(NcclRunning):
         flat = [x for xs in tensor_lists for x in xs]
         extra = (root, len(tensor_lists), len(flat))
         buffers = [*tensors, *flat]
-        return buffers, tensors, extra, builder, (root, None)
+        return buffers, extra, builder, (root, None)
 
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
@@ -216,4 +216,4 @@ class NcclPointToPoint(NcclRunning):
 
         extra = (len(outputs), len(inputs))
         buffers = [*outputs, *inputs]
-        return buffers, [outputs[0]], extra, builder, None
+        return buffers, extra, builder, None

@@ -42,10 +42,8 @@ from collective.groups.nccl.lifecycle import Builder, NcclLifecycle
 from collective.types import CollectiveError, ReduceOp
 from collective.work import Work
 
-OpParts = tuple[
-    Sequence[Any], Sequence[Any], tuple[Any, ...], Builder, "tuple[int, ReduceOp | None] | None"
-]
-"""How a call of an op is described: ``(buffers, device_buffers, extra, builder, signed)``.
+OpParts = tuple[Sequence[Any], tuple[Any, ...], Builder, "tuple[int, ReduceOp | None] | None"]
+"""How a call of an op is described: ``(buffers, extra, builder, signed)``.
 
 Each op of ``NCCLGroup`` has a method ``_<op>_parts(*args, options)`` that returns
 them for the op's arguments (see ``_op``); describing a call makes nothing: its
@@ -69,21 +67,20 @@ class NcclRunning(NcclLifecycle):
         op: str,
         options: Any,
         buffers: Sequence[Any],
-        device_buffers: Sequence[Any],
         extra: tuple[Any, ...],
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None = None,
     ) -> Work:
         """Run ``op`` through its cached launch, building it on the first call of its signature.
 
-        ``buffers`` holds every caller buffer the op reads or writes, ``device_buffers`` one
-        per device, whose current streams the op runs on (or follows); ``extra`` the
+        ``buffers`` holds every caller buffer the op reads or writes (the key holds
+        each one's current stream, which the op runs on or follows); ``extra`` the
         arguments besides the buffers that change the calls (root, reduction);
         ``signed`` the root and reduction of a collective whose signature the ranks
         compare (see ``mismatch``), None for an op they do not.
         """
         timeout = options.timeout or self.timeout
-        launch, _ = self._launch(op, options, buffers, device_buffers, extra, builder, signed)
+        launch, _ = self._launch(op, options, buffers, extra, builder, signed)
         if options.async_op:
             return self._run_async(launch, timeout, *buffers)
         self._run(launch, timeout)
@@ -94,7 +91,6 @@ class NcclRunning(NcclLifecycle):
         op: str,
         options: Any,
         buffers: Sequence[Any],
-        device_buffers: Sequence[Any],
         extra: tuple[Any, ...],
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None = None,
