@@ -10,6 +10,11 @@ from enum import Enum
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 """Timeout of every rendezvous wait and every op unless the group sets another."""
 
+LONGEST_TIMEOUT = timedelta(days=365)
+"""The longest that any wait of this library lasts: a longer timeout, up to ``timedelta.max``,
+waits this long, which is no practical limit. Gloo's clock overflows near 250 years and
+Python's waits refuse about 292, so a longer wait could not be honoured on every transport."""
+
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 """The floating-point dtype names; the only ones ``ReduceOp.AVG`` takes."""
@@ -31,6 +36,25 @@ class ArgumentValueError(ArgumentError, ValueError):
 
 class ArgumentTypeError(ArgumentError, TypeError):
     """An argument is of a wrong kind: not a buffer, an unsupported dtype or device."""
+
+
+def bounded_timeout(timeout: object, name: str = "timeout") -> timedelta | None:
+    """Return ``timeout``, None or a positive ``timedelta``, at most ``LONGEST_TIMEOUT``.
+
+    Raises:
+        ArgumentTypeError: ``timeout`` is neither None nor a ``timedelta``.
+        ArgumentValueError: ``timeout`` is zero or negative.
+
+    """
+    if timeout is None:
+        return None
+    if not isinstance(timeout, timedelta):
+        raise ArgumentTypeError(
+            f"{name} must be a datetime.timedelta, got {type(timeout).__name__}"
+        )
+    if timeout <= timedelta(0):
+        raise ArgumentValueError(f"{name} must be positive, got {timeout}")
+    return min(timeout, LONGEST_TIMEOUT)
 
 
 def _foreign_name(value: object, enum_name: str) -> str | None:

@@ -8,6 +8,8 @@ from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
 
+from collective.types import bounded_timeout
+
 _AWAIT_PAUSE_S = (0.0001, 0.005)
 """First and longest sleep of the event loop between two polls of an awaited op."""
 
@@ -112,8 +114,9 @@ class OnceWork(Work):
             raise self._error
 
     def _wait_seconds(self, timeout: timedelta | None) -> float:
-        if timeout is not None:
-            return timeout.total_seconds()
+        bounded = bounded_timeout(timeout)
+        if bounded is not None:
+            return bounded.total_seconds()
         own = self._timeout.total_seconds() if self._timeout is not None else 0.0
         return own + _BACKGROUND_GRACE_S
 

@@ -8,15 +8,21 @@ is exact and each rank's results can be compared with numpy's bit for bit.
 An extended program (``make(..., extended=True)``) also runs async alltoalls of
 non-contiguous inputs, whose references the program drops before the wait (some
 ranks send to one peer only), and bool reductions above the small-message limit,
-whose results are compared byte for byte (a bool holding byte 2 reads as True).
+whose results are compared byte for byte (a bool holding byte 2 reads as True). Its
+allreduces, reduces and broadcasts go through the public call path (``ExtendedOps.one``)
+on numpy arrays, torch tensors or lazily negated torch views (the negative bit), with
+no timeout or one of up to ``timedelta.max``; after each, every torch tensor must
+still be resizable, and is freed and regrown.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol, cast
 
 import numpy as np
+import torch
 
 from collective.types import ReduceOp
 
@@ -28,6 +34,10 @@ REDUCING = ("allreduce", "reduce", "reducescatter")
 BOOL_COUNT = 20000
 """Bools per buffer of a bool reduction: above the small-message limit at every world size."""
 BOOL_REDUCTIONS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+FORMS = ["numpy", "numpy", "torch", "negated"]
+"""What an extended program's allreduce, reduce or broadcast passes (see ``as_form``)."""
+TIMEOUTS = [None, None, timedelta(days=400), timedelta(days=250 * 365), timedelta.max]
+"""The timeouts an extended program's allreduce, reduce or broadcast passes."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,10 @@ class Event:
     """For send and recv: the rank that acts."""
     message: int = -1
     """For send and recv: which message."""
+    form: str = "numpy"
+    """For an extended program's allreduce, reduce and broadcast: what it passes."""
+    timeout: timedelta | None = None
+    """For an extended program's allreduce, reduce and broadcast: the call's timeout."""
 
 
 def make(seed: int, world_size: int, length: int = 24, extended: bool = False) -> list[Event]:
@@ -75,7 +89,13 @@ def make(seed: int, world_size: int, length: int = 24, extended: bool = False) -
         if kind == "send":
             kind = "barrier"
         reduce_op = REDUCTIONS[int(rng.integers(len(REDUCTIONS)))]
-        events.append(Event(i, kind, dtype, count, reduce_op, int(rng.integers(world_size))))
+        event = Event(i, kind, dtype, count, reduce_op, int(rng.integers(world_size)))
+        if extended and kind in ONE_BUFFER:
+            extra = np.random.default_rng((seed, i))
+            form = FORMS[int(extra.integers(len(FORMS)))]
+            timeout = TIMEOUTS[int(extra.integers(len(TIMEOUTS)))]
+            event = Event(i, kind, dtype, count, reduce_op, event.root, form=form, timeout=timeout)
+        events.append(event)
         if pending and rng.random() < 0.5:
             events.append(_receive(pending.pop(0)))
     events.extend(_receive(send) for send in pending)
@@ -128,9 +148,40 @@ class Ops(Protocol):
 
 
 class ExtendedOps(Ops, Protocol):
-    """The calls of an extended program: an async alltoall too."""
+    """The calls of an extended program: an async alltoall, and one-buffer calls of any form."""
 
     def alltoall(self, outs: list[np.ndarray], ins: list[np.ndarray]) -> Any: ...
+    def one(self, kind: str, x: Any, root: int, op: ReduceOp, timeout: timedelta | None) -> None:
+        """Run ``kind`` (allreduce, reduce or broadcast) on ``x`` through the public call path."""
+
+
+ONE_BUFFER = ("allreduce", "reduce", "broadcast")
+
+
+def as_form(values: np.ndarray, form: str) -> Any:
+    """Return ``values`` as ``form``: the array, a torch tensor, or a view with the negative bit.
+
+    The negated view reads ``values`` from memory holding their negation, as
+    ``z.conj().imag`` does; it is contiguous, so it may take the short path.
+    """
+    if form == "numpy":
+        return values
+    if form == "torch":
+        return torch.tensor(values)
+    return torch._neg_view(torch.tensor(-values))
+
+
+def _read_and_regrow(x: Any) -> np.ndarray:
+    """Return the values of ``x``; a torch tensor must still be resizable, and is regrown."""
+    if isinstance(x, np.ndarray):
+        return x
+    values = x.resolve_neg().clone().numpy()
+    storage = x.untyped_storage()
+    assert storage.resizable(), "the op left the caller's tensor not resizable"
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    return values
 
 
 def run(ops: Ops, rank: int, world_size: int, program: list[Event]) -> dict[int, Any]:
@@ -139,6 +190,12 @@ def run(ops: Ops, rank: int, world_size: int, program: list[Event]) -> dict[int,
     works = []
     for event in program:
         x = data(event, rank)
+        if event.form != "numpy" or event.timeout is not None:
+            buffer = as_form(x, event.form)
+            extended = cast(ExtendedOps, ops)
+            extended.one(event.kind, buffer, event.root, event.reduce_op, event.timeout)
+            results[event.index] = _read_and_regrow(buffer)
+            continue
         if event.kind == "allreduce":
             ops.allreduce(x, event.reduce_op)
         elif event.kind == "reduce":

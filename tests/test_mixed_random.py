@@ -4,19 +4,22 @@ Ranks are threads on a TCPStore (see ``test_shm.run_cpu``), on one node, on two
 faked nodes (the hierarchical path), with small slots so that long messages stream,
 and on plain Gloo. The programs are extended ones: async alltoalls of non-contiguous
 inputs and bool reductions above the small-message limit among the rest. The same
-programs, without those, run across two real Ray nodes in
+programs, without those (and the public call path's buffer forms and timeouts, see
+``mixed_program``), run across two real Ray nodes in
 ``test_cluster_correctness_ray``.
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pytest
 
 from collective.groups.base import BaseGroup
+from collective.ops import calls
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -68,6 +71,11 @@ class GroupOps:
 
     def alltoall(self, outs: list[np.ndarray], ins: list[np.ndarray]) -> Any:
         return self.group.alltoall(outs, ins, AllToAllOptions(async_op=True))
+
+    def one(self, kind: str, x: Any, root: int, op: ReduceOp, timeout: timedelta | None) -> None:
+        call = calls.ONE_BUFFER[kind]
+        reduce_op = op if call.reduces else None
+        calls.call(call, self.group, x, reduce_op, root if call.root_name else -1, timeout, False)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 from collective.groups.base import BaseGroup
-from collective.types import CollectiveTimeoutError
+from collective.types import LONGEST_TIMEOUT, CollectiveTimeoutError
 
 AGREEMENT_OPS = 4
 """Ops a bulk call's agreement takes at most: a bound of its time, in op timeouts."""
@@ -63,7 +63,7 @@ class _Board:
                         timeout,
                         f"the {running} call running on the group did not end in time",
                     )
-                self._cond.wait(left)
+                self._cond.wait(min(left, LONGEST_TIMEOUT.total_seconds()))
             self._holder = Turn(self, op, timeout)
             return self._holder
 

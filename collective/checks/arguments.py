@@ -20,13 +20,17 @@ from collective.frameworks import kinds, memory
 from collective.frameworks.kinds import TensorSpec
 from collective.groups.base import BaseGroup
 from collective.types import (
+    LONGEST_TIMEOUT,
     ArgumentError,
     ArgumentTypeError,
     ArgumentValueError,
     CpuTransport,
     GroupOptions,
     ReduceOp,
+    bounded_timeout,
 )
+
+_LONGEST_MS = LONGEST_TIMEOUT / timedelta(milliseconds=1)
 
 MAX_GROUP_NAME_BYTES = 8000
 """The longest group name, in UTF-8 bytes. Gloo's keys in the group's TCPStore start
@@ -130,25 +134,25 @@ def check_permutation(ranks: Any, world_size: int) -> list[int]:
 
 
 def check_timeout(timeout: Any) -> timedelta | None:
-    """Return ``timeout`` if it is None or a positive ``timedelta``."""
-    if timeout is None:
-        return None
-    if not isinstance(timeout, timedelta):
-        raise ArgumentTypeError(
-            f"timeout must be a datetime.timedelta, got {type(timeout).__name__}"
-        )
-    if timeout <= timedelta(0):
-        raise ArgumentValueError(f"timeout must be positive, got {timeout}")
-    return timeout
+    """Return ``timeout`` if it is None or a positive ``timedelta``, at most ``LONGEST_TIMEOUT``.
+
+    A longer one (``timedelta.max`` included) means no practical limit: it waits
+    ``LONGEST_TIMEOUT``, the longest every transport's clock holds.
+    """
+    return bounded_timeout(timeout)
 
 
 def check_milliseconds(value: Any, name: str) -> timedelta:
-    """Return ``value``, a positive finite number of milliseconds (int or float), as a timedelta."""
+    """Return ``value``, a positive number of milliseconds (int or float), as a timedelta.
+
+    As with ``check_timeout``, more than ``LONGEST_TIMEOUT`` (``math.inf`` included)
+    waits ``LONGEST_TIMEOUT``.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a number of ms, got {type(value).__name__}")
-    if not (math.isfinite(value) and float(value) > 0):
+    if math.isnan(value) or not float(value) > 0:
         raise ArgumentValueError(f"{name} must be a positive number of ms, got {value}")
-    return timedelta(milliseconds=float(value))
+    return timedelta(milliseconds=min(float(value), _LONGEST_MS))
 
 
 def check_tensor(group: BaseGroup, x: Any, name: str) -> TensorSpec:
@@ -156,7 +160,7 @@ def check_tensor(group: BaseGroup, x: Any, name: str) -> TensorSpec:
     spec = kinds.spec(x, name)
     group.check_tensor(spec, name)
     if group.device_type == "cuda" and not kinds.is_contiguous(x):
-        raise ArgumentValueError(f"{name} must be contiguous for NCCL; pass a contiguous copy")
+        raise ArgumentValueError(kinds.contiguous_message(x, name, "for NCCL"))
     return spec
 
 
@@ -244,7 +248,9 @@ def check_outputs(
             f"{like.dtype} elements (world size x tensor), got {spec.describe()}"
         )
     if not kinds.is_contiguous(xs):
-        raise ArgumentValueError(f"{name} must be contiguous when passed as one flat tensor")
+        raise ArgumentValueError(
+            kinds.contiguous_message(xs, name, "when passed as one flat tensor")
+        )
     return kinds.chunks(xs, length, like.shape)
 
 

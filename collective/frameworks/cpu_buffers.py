@@ -11,8 +11,42 @@ from collective.frameworks.kinds import DTYPES, dtype_name
 from collective.frameworks.memory import in_object_store, overlap_message, self_overlapping
 from collective.types import ArgumentValueError
 
-_PLAIN_TORCH_DTYPES: frozenset[Any] = frozenset()
-"""The torch dtypes ``plain_flat`` takes: those of ``DTYPES`` that numpy has too."""
+_TYPESTRS: dict[Any, str] = {}
+"""numpy's type string of each torch dtype ``plain_flat`` takes: those of ``DTYPES`` numpy has."""
+
+
+class _Interface:
+    """An ``__array_interface__`` for numpy to read, and the object that owns its memory.
+
+    The array numpy makes from it keeps the owner alive for as long as it lives.
+    """
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, interface: dict[str, Any], owner: Any) -> None:
+        self.__array_interface__ = interface
+        self.owner = owner
+
+
+def host_view(tensor: Any, typestr: str = "|u1", count: int = -1) -> np.ndarray:
+    """Return a flat numpy view of the contiguous CPU torch ``tensor``'s memory.
+
+    The view reads ``count`` elements of numpy type ``typestr`` (by default: all of
+    its bytes) from the tensor's first element, and keeps the tensor alive. Unlike
+    ``Tensor.numpy``, it leaves the tensor's storage as it found it: torch marks a
+    storage exported by ``numpy()`` as not resizable for good, which breaks code
+    that frees and regrows parameter storage. The tensor must not have its negative
+    bit set (its memory holds the negated values).
+    """
+    if count < 0:
+        count = tensor.nbytes // np.dtype(typestr).itemsize
+    interface: dict[str, Any] = {
+        "data": (tensor.data_ptr(), False),
+        "shape": (count,),
+        "typestr": typestr,
+        "version": 3,
+    }
+    return np.asarray(_Interface(interface, tensor))
 
 
 def plain_flat(x: Any) -> np.ndarray | None:
@@ -20,9 +54,11 @@ def plain_flat(x: Any) -> np.ndarray | None:
 
     Plain means nothing to check or stage: a numpy array (no subclass), C-contiguous
     and writeable, or a CPU torch tensor (no subclass) that is contiguous, does not
-    require grad, has a dtype numpy has, and does not lie in Ray's object store.
-    The view shares ``x``'s memory. The caller must still check the view's dtype
-    (see ``plain_dtype``); anything else goes through ``spec`` and the buffer checks.
+    require grad, has a dtype numpy has, has no negative bit (a lazy negation such
+    as ``z.conj().imag``) and does not lie in Ray's object store. The view shares
+    ``x``'s memory (``host_view`` for a tensor, which leaves it resizable). The
+    caller must still check the view's dtype (see ``plain_dtype``); anything else
+    goes through ``spec`` and the buffer checks.
     """
     if type(x) is np.ndarray:
         flags = x.flags
@@ -30,21 +66,22 @@ def plain_flat(x: Any) -> np.ndarray | None:
     torch = sys.modules.get("torch")
     if torch is None or type(x) is not torch.Tensor:
         return None
-    global _PLAIN_TORCH_DTYPES
-    if not _PLAIN_TORCH_DTYPES:
-        _PLAIN_TORCH_DTYPES = frozenset(
-            getattr(torch, name) for name in DTYPES if name != "bfloat16"
-        )
+    if not _TYPESTRS:
+        for name in DTYPES:
+            if name != "bfloat16":
+                _TYPESTRS[getattr(torch, name)] = np.dtype(name).str
+    typestr = _TYPESTRS.get(x.dtype)
     if (
-        x.requires_grad
+        typestr is None
+        or x.requires_grad
         or not x.is_cpu
         or x.layout is not torch.strided
-        or x.dtype not in _PLAIN_TORCH_DTYPES
         or not x.is_contiguous()
+        or x.is_neg()
         or in_object_store(x)
     ):
         return None
-    return x.numpy().ravel()
+    return host_view(x, typestr, x.numel())
 
 
 def cpu_key(x: Any) -> tuple[Any, ...] | None:
@@ -52,8 +89,9 @@ def cpu_key(x: Any) -> tuple[Any, ...] | None:
 
     For a numpy array (no subclass): its dtype (byte order included), shape, strides
     and whether it is writeable. For a torch tensor (no subclass) that does not
-    require grad, of the strided layout: its device, dtype, shape and strides, and
-    whether it lies in Ray's object store, looked at again on every call
+    require grad, of the strided layout: its device, dtype, shape and strides,
+    whether its negative bit is set (such a tensor is staged), and whether it lies
+    in Ray's object store, looked at again on every call
     (``in_object_store``). The address is left out: an op is handed the buffer on
     every call, so a new buffer like the last one takes its launch. Anything else
     has no key: it is checked on every call.
@@ -67,17 +105,7 @@ def cpu_key(x: Any) -> tuple[Any, ...] | None:
         return None
     device = x.device
     held = x.is_cpu and in_object_store(x)
-    return (torch.Tensor, device, x.dtype, x.shape, x.stride(), held)
-
-
-class _WritableInterface:
-    """An ``__array_interface__`` of a numpy array with its read-only flag cleared."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        interface = dict(array.__array_interface__)
-        interface["data"] = (interface["data"][0], False)
-        self.__array_interface__ = interface
-        self.array = array
+    return (torch.Tensor, device, x.dtype, x.shape, x.stride(), x.is_neg(), held)
 
 
 def _writable(array: np.ndarray) -> np.ndarray:
@@ -89,7 +117,9 @@ def _writable(array: np.ndarray) -> np.ndarray:
     """
     if array.flags.writeable:
         return array
-    return np.asarray(_WritableInterface(array))
+    interface = dict(array.__array_interface__)
+    interface["data"] = (interface["data"][0], False)
+    return np.asarray(_Interface(interface, array))
 
 
 def _dense(tensor: Any) -> Any:
@@ -122,10 +152,12 @@ def torch_view(data: np.ndarray, dtype: Any) -> Any:
 class CpuBuffer:
     """A contiguous CPU buffer standing for a user buffer during one op.
 
-    It shares memory with the user's buffer when that buffer is contiguous,
-    read-only numpy arrays included: they are written in place, as Ray does (the
-    public functions decide first whether to allow it). Otherwise it is a staged
-    copy, and ``commit`` copies the result back into the user's buffer.
+    It shares memory with the user's buffer when that buffer is contiguous (and,
+    for a torch tensor, has no negative bit), read-only numpy arrays included: they
+    are written in place, as Ray does (the public functions decide first whether to
+    allow it). Otherwise it is a staged copy, and ``commit`` copies the result back
+    into the user's buffer (torch negates it again for a tensor with the negative
+    bit).
     ``tensor`` is it as a torch tensor (for gloo); ``bytes`` is it as a flat numpy
     ``uint8`` array (for shared memory).
     """
@@ -140,7 +172,10 @@ class CpuBuffer:
         self._source = source
         self._tensor: Any = None
         is_numpy = isinstance(source, np.ndarray)
-        shares = source.flags.c_contiguous if is_numpy else source.is_contiguous()
+        if is_numpy:
+            shares = source.flags.c_contiguous
+        else:
+            shares = source.is_contiguous() and not source.is_neg()
         self._staged = writable and not shares
         if self._staged and self_overlapping(source):
             raise ArgumentValueError(overlap_message(name))
@@ -151,7 +186,7 @@ class CpuBuffer:
                 self._array = np.array(source, order="C", copy=True)
         else:
             self._array = None
-            self._tensor = _dense(source) if shares else source.contiguous()
+            self._tensor = _dense(source if shares else source.resolve_neg().contiguous())
 
     @property
     def tensor(self) -> Any:
@@ -167,12 +202,7 @@ class CpuBuffer:
         """Return the buffer's memory as a flat ``uint8`` numpy array (a view)."""
         if self._array is not None:
             return self._array.reshape(-1).view(np.uint8)
-        import torch
-
-        tensor = self._tensor.detach()
-        if tensor.dtype is torch.bfloat16:
-            return tensor.reshape(-1).view(torch.uint8).numpy()
-        return tensor.numpy().reshape(-1).view(np.uint8)
+        return host_view(self._tensor)
 
     @property
     def dtype(self) -> str:

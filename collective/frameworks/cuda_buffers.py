@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from collective._version import DISTRIBUTION
-from collective.frameworks.kinds import is_cupy, is_torch, spec
+from collective.frameworks.kinds import contiguous_message, is_cupy, is_torch, spec
 from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError
 
 CUPY_INSTALL_HINT = (
@@ -74,7 +74,7 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
     """
     if is_torch(x) and x.device.type == "cuda":
         dtype = str(x.dtype).removeprefix("torch.")
-        contiguous = x.is_contiguous()
+        contiguous = x.is_contiguous() and not x.is_neg()
         ptr, count, device, itemsize = x.data_ptr(), x.numel(), x.device.index, x.element_size()
     elif is_cupy(x):
         interface = x.__cuda_array_interface__
@@ -91,7 +91,7 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
             f"{name} has dtype {dtype}, which NCCL does not move; supported: {sorted(NCCL_DTYPES)}"
         )
     if not contiguous:
-        raise ArgumentValueError(f"{name} must be contiguous for NCCL; pass a contiguous copy")
+        raise ArgumentValueError(contiguous_message(x, name, "for NCCL"))
     return CudaBuffer(int(ptr), count, dtype, int(device), int(itemsize))
 
 
@@ -138,13 +138,14 @@ def launch_key(x: Any) -> tuple[Any, ...] | None:
     The address, dtype, shape, strides and device of ``x``, then the caller's current
     stream on that device (``torch_stream`` or ``cupy_stream``), read with one kind
     check: a repeated call pays a few attribute reads and one C call for the stream.
-    None for a buffer on no GPU, a torch tensor that requires grad, or anything else
+    None for a buffer on no GPU, a torch tensor that requires grad or has its negative
+    bit set (checked on every call, and refused), or anything else
     than a cupy array or a torch tensor.
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         device = x.get_device()
-        if x.requires_grad or device < 0:
+        if x.requires_grad or device < 0 or x.is_neg():
             return None
         return (x.data_ptr(), x.dtype, x.shape, x.stride(), device, torch_stream(device))
     try:

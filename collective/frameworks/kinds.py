@@ -146,8 +146,25 @@ def is_buffer(x: Any) -> bool:
 
 
 def is_contiguous(x: Any) -> bool:
-    """Return whether ``x``'s elements are laid out densely in row-major order."""
-    return bool(x.is_contiguous()) if is_torch(x) else bool(x.flags.c_contiguous)
+    """Return whether ``x``'s memory holds its elements densely, in row-major order, as they read.
+
+    A torch tensor with the negative bit set (a lazy negation such as
+    ``z.conj().imag``) is not: its memory holds the negated values, so it moves
+    through a resolved copy, or not at all where only raw memory moves (NCCL).
+    """
+    if is_torch(x):
+        return bool(x.is_contiguous()) and not x.is_neg()
+    return bool(x.flags.c_contiguous)
+
+
+def contiguous_message(x: Any, name: str, where: str) -> str:
+    """Return the error message for ``x``, named ``name``, that ``where`` needs contiguous."""
+    if is_torch(x) and x.is_neg():
+        return (
+            f"{name} has its negative bit set (a lazy negation such as z.conj().imag), so its "
+            f"memory holds the negated values: pass {name}.resolve_neg()"
+        )
+    return f"{name} must be contiguous {where}; pass a contiguous copy"
 
 
 def chunks(x: Any, count: int, shape: tuple[int, ...]) -> list[Any]:

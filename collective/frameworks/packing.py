@@ -208,6 +208,14 @@ class Staging:
                     views = run.views(staged)
                     target, source = (views, run.tensors) if into_staging else (run.tensors, views)
                     torch._foreach_copy_(target, source)
+        if batch.negated:
+            staged = self._as_torch() if self._array is not None else self._torch
+            for offset, x in batch.negated:
+                view = staged[offset : offset + x.nbytes].view(x.dtype).view(x.shape)
+                if into_staging:
+                    view.copy_(x)
+                else:
+                    x.copy_(view)
         for offset, x in batch.rest:
             staged = self._like(x, offset)
             target, source = (staged, x) if into_staging else (x, staged)
@@ -244,8 +252,10 @@ class Batch:
     per dtype: ``Staging.pack`` and ``unpack`` copy a run with one
     ``torch._foreach_copy_`` between its tensors and views of the staging shaped like
     them, which ``unflatten_dense_tensors`` cuts in one call, so no Python runs per
-    tensor. Other buffers (cupy arrays, numpy arrays torch cannot view) are copied one
-    by one. A bulk call builds one per bucket and reuses it to unpack.
+    tensor. Other buffers (cupy arrays, numpy arrays torch cannot view, and tensors
+    with the negative bit, which ``_foreach_copy_`` refuses to write and torch's own
+    copy negates) are copied one by one. A bulk call builds one per bucket and reuses
+    it to unpack.
     """
 
     def __init__(self, items: Sequence[Item]) -> None:
@@ -258,11 +268,14 @@ class Batch:
         """
         torch = _torch()
         self.rest: list[Item] = []
+        self.negated: list[Item] = []
         by_dtype: dict[Any, list[tuple[int, Any]]] = {}
         for offset, x in items:
             t = _as_torch(torch, x)
             if t is None:
                 self.rest.append((offset, x))
+            elif t.is_neg():
+                self.negated.append((offset, t))
             elif t.numel():
                 by_dtype.setdefault(t.dtype, []).append((offset, t))
         nothing = torch.empty(())

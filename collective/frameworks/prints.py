@@ -49,7 +49,8 @@ def fingerprint(xs: Sequence[Any]) -> Fingerprint | None:
     """Return the fingerprint of ``xs`` if all are plain, contiguous CPU torch tensors, else None.
 
     Plain means of type ``torch.Tensor`` or ``torch.nn.Parameter``, dense, on the
-    CPU; anything else (numpy arrays, GPU tensors, strided views) has none.
+    CPU, without the negative bit; anything else (numpy arrays, GPU tensors, strided
+    views, lazy negations) has none.
     """
     torch = sys.modules.get("torch")
     if torch is None or not xs or not set(map(type, xs)) <= {torch.Tensor, torch.nn.Parameter}:
@@ -58,6 +59,8 @@ def fingerprint(xs: Sequence[Any]) -> Fingerprint | None:
         if set(map(attrgetter("layout"), xs)) != {torch.strided}:
             return None
         if not all(map(attrgetter("is_cpu"), xs)) or not all(map(torch.Tensor.is_contiguous, xs)):
+            return None
+        if any(map(torch.Tensor.is_neg, xs)):
             return None
         metas = list(map(_META, xs))
         return Fingerprint(tuple(map(weakref.ref, xs)), _addresses(xs), metas, _strides(xs))

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 
-from collective.types import CollectiveError
+from collective.types import CollectiveError, bounded_timeout
 from collective.work import Work
 
 _JOIN_S = 5.0
@@ -60,6 +60,7 @@ class Task(Work):
             CollectiveError: the op failed.
 
         """
+        timeout = bounded_timeout(timeout)
         if timeout is None:
             self._done.wait()
         elif not self._done.wait(timeout.total_seconds()):

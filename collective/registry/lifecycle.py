@@ -15,8 +15,9 @@ from collective.types import ArgumentValueError, Backend, CollectiveError, CpuTr
 
 
 def _resolve_timeout(gloo_timeout: Any, timeout: Any) -> timedelta:
-    if arguments.check_timeout(timeout) is not None:
-        return timeout
+    checked = arguments.check_timeout(timeout)
+    if checked is not None:
+        return checked
     return arguments.check_milliseconds(gloo_timeout, "gloo_timeout")
 
 

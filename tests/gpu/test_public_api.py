@@ -134,3 +134,22 @@ def test_repeated_list_calls_on_the_same_buffers_carry_each_calls_data(
             (received[0], "alltoall"),
         ]:
             np.testing.assert_array_equal(cases.host(buffer), expected, f"round {offset}: {what}")
+
+
+def test_a_negated_view_is_refused_on_every_call_and_the_group_stays_usable(solo: Any) -> None:
+    if not cases.torch_cuda():
+        pytest.skip("this torch build has no CUDA")
+    import torch
+
+    name = solo.group_name
+    plain = torch.ones(4, device="cuda")
+    negated = torch._neg_view(torch.ones(4, device="cuda"))
+    for _ in range(2):  # a buffer of the same key is kept first; the negated one never is
+        col.allreduce(plain, name)
+        with pytest.raises(ValueError, match=r"tensor has its negative bit set.*resolve_neg"):
+            col.allreduce(negated, name)
+        col.allreduce_tensors([plain, negated], name)  # staged: torch's copies negate
+    col.allreduce(negated.resolve_neg(), name)
+    torch.cuda.synchronize()
+    assert plain.tolist() == [1.0] * 4
+    assert negated.tolist() == [1.0] * 4

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from collective.frameworks.bytelist import ByteList
-from collective.frameworks.cpu_buffers import CpuBuffer, plain_flat
+from collective.frameworks.cpu_buffers import CpuBuffer, host_view, plain_flat
 from collective.groups.cpu.routes import Flat, Hierarchy
 from collective.groups.cpu.running import CpuRunning
 from collective.groups.gloo.group import GlooGroup
@@ -82,7 +82,11 @@ class CpuGroup(CpuRunning):
         if prepared is None:
             return None
         run = getattr(short, op)
-        numpy = type(x) is np.ndarray
+        typestr, count = flat.dtype.str, flat.size
+
+        def flat_of(x: Any) -> np.ndarray:
+            return x.ravel() if type(x) is np.ndarray else host_view(x, typestr, count)
+
         general = super().build(op, x, options)[0]
         timeout = options.timeout or self.timeout
         seconds = timeout.total_seconds()
@@ -101,7 +105,7 @@ class CpuGroup(CpuRunning):
                 general(x)
                 return
             try:
-                run(prepared, x.ravel() if numpy else x.numpy().ravel(), time.monotonic() + seconds)
+                run(prepared, flat_of(x), time.monotonic() + seconds)
             except BaseException as exc:
                 self._raise_failure(op, timeout, exc)
             finally:
