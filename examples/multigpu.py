@@ -9,6 +9,8 @@ or more. It prints what each GPU holds after each call and checks it.
 Without a CUDA GPU, torch with CUDA, or cupy with NCCL it prints ``skipped: <reason>``
 and exits with status 0.
 
+GPU example: ``tests/gpu/run.sh`` runs it on a GPU machine.
+
 Usage: python examples/multigpu.py
 """
 

@@ -370,3 +370,34 @@ def test_quickstart_runs_as_written() -> None:
         assert f"rank {rank}: {{'sum': [3.0, 3.0, 3.0, 3.0]" in result.stdout
     page = (DOCS / "quickstart.md").read_text()
     assert "../examples/quickstart.py" in page
+
+
+def test_the_failure_model_gives_each_transport_a_row_for_mismatches_and_timeouts() -> None:
+    page = (DOCS / "failure-model.md").read_text()
+    for section in ("## Ranks that disagree", "## Ranks that never join an op"):
+        assert section in page, section
+        body = page.split(section, 1)[1].split("\n## ", 1)[0]
+        rows = [line.split("|")[1].strip() for line in body.splitlines() if line.startswith("| ")]
+        for transport in ("Shared memory", "Gloo", "NCCL"):
+            assert any(row.startswith(transport) for row in rows), (section, transport)
+
+
+FALSE_CLAIMS = {
+    "index.md": ["a timeout that says which rank is missing"],
+    "../README.md": ["get an error on every transport instead of mixed data"],
+    "guide.md": ["raise an error instead of mixing data, on every transport"],
+    "failure-model.md": ["get an error on every transport, whether or not"],
+}
+"""Claims the pages once made that a transport does not hold (NCCL: the op runs first, and
+its timeout names no rank)."""
+
+
+def test_no_page_claims_what_a_transport_does_not_do() -> None:
+    for page, claims in FALSE_CLAIMS.items():
+        text = " ".join((DOCS / page).read_text().split())
+        for claim in claims:
+            assert claim not in text, (page, claim)
+    send = " ".join((collective.send.__doc__ or "").split())
+    assert "returns once the peer has it" not in send
+    for transport in ("Shared memory", "Gloo", "NCCL"):
+        assert transport in send, transport

@@ -1,7 +1,9 @@
 """Every program in examples/ runs as a user runs it, passes its own checks, and is documented.
 
 An example that cannot run on this machine (no GPU) prints ``skipped: <reason>`` as its
-first line and exits with status 0; its test is then skipped with that reason.
+first line and exits with status 0; its test is then skipped with that reason. Such an
+example is a GPU example: a line of its docstring starts with ``GPU_MARKER``, and
+``tests/gpu/run.sh`` runs every example so marked on a GPU machine.
 """
 
 from __future__ import annotations
@@ -36,10 +38,21 @@ MUST_PRINT = {
     "rdt_weight_sync.py": ["every rollout holds the trainer's weights after each step: True"],
 }
 """Lines each example prints when its checks pass, beyond its exit status."""
+GPU_MARKER = "GPU example:"
+"""How a line of a GPU example's docstring starts; ``tests/gpu/run.sh`` finds them by it."""
 
 
 def examples() -> list[str]:
     return sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in RUN_ELSEWHERE)
+
+
+def gpu_examples() -> list[str]:
+    """Return the examples marked as GPU examples, which ``tests/gpu/run.sh`` runs."""
+    return sorted(
+        p.name
+        for p in EXAMPLES.glob("*.py")
+        if any(line.startswith(GPU_MARKER) for line in p.read_text().splitlines())
+    )
 
 
 @pytest.mark.parametrize("name", examples())
@@ -54,6 +67,7 @@ def test_example_runs_and_passes_its_checks(name: str) -> None:
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output
     if result.stdout.startswith("skipped: "):
+        assert name in gpu_examples(), f"{name} skips here: mark it with {GPU_MARKER!r}"
         pytest.skip(f"{name}: {result.stdout.splitlines()[0].removeprefix('skipped: ')}")
     for line in MUST_PRINT.get(name, []):
         assert line in result.stdout, output
@@ -65,3 +79,20 @@ def test_every_example_is_a_whole_program_shown_in_the_docs() -> None:
         assert 'if __name__ == "__main__":' in path.read_text(), path.name
         assert f"../examples/{path.name}" in pages, path.name
     assert set(MUST_PRINT) <= {p.name for p in EXAMPLES.glob("*.py")}
+
+
+def test_gpu_examples_are_marked_and_run_sh_runs_them_by_the_marker() -> None:
+    assert "multigpu.py" in gpu_examples()
+    script = (ROOT / "tests" / "gpu" / "run.sh").read_text()
+    assert f"grep -l '^{GPU_MARKER}' examples/*.py" in script
+    rows = {
+        line.split("`")[1]: line
+        for line in (ROOT / "docs" / "examples.md").read_text().splitlines()
+        if line.startswith("| `")
+    }
+    assert sorted(rows) == sorted(p.name for p in EXAMPLES.glob("*.py"))
+    for name, row in rows.items():
+        runner = row.rstrip(" |").rsplit("|", 1)[1]
+        assert ("tests/gpu/run.sh" in runner) == (name in gpu_examples()), row
+        if name in RUN_ELSEWHERE:
+            assert RUN_ELSEWHERE[name].split("::")[0] in runner, row

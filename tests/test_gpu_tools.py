@@ -69,10 +69,21 @@ def test_run_sh_without_gpu_or_ray_says_why_and_succeeds(
     assert "## pytest tests/gpu (exit 0)" in summary
     assert " skipped in " in summary and "no GPU: the nccl backend is not available" in summary
     assert "failed" not in summary.lower().split("## python -m benchmarks.nccl")[0]
+    assert "## GPU examples (exit 0)" in summary
+    reason = "skipped: Ray is not importable (GPU_WHEELS=DIR installs it)"
+    assert f"examples/multigpu.py: {reason}" in summary
+    assert f"===== examples/multigpu.py: {reason}" in (out / "pytest.log").read_text()
     assert "## python -m benchmarks.nccl (exit 0)" in summary
     assert nccl.HEADER in summary
     for op in nccl_peers.OPS:
         assert f"# {op}, world size 1: unavailable: no GPU" in summary
+
+
+def test_run_sh_parses() -> None:
+    done = subprocess.run(
+        ["bash", "-n", "tests/gpu/run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_gpu_suite_collects_every_case() -> None:

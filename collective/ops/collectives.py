@@ -152,9 +152,26 @@ def send(
     timeout: timedelta | None = None,
     async_op: bool = False,
 ) -> Work | None:
-    """Send ``tensor`` to ``dst_rank`` of the group; returns once the peer has it.
+    """Send ``tensor`` to ``dst_rank`` of the group; ``tensor`` is only read.
 
     Ranks are the group's own ranks. Each send is matched by one ``recv`` on the peer.
+    When a blocking send returns depends on the transport:
+
+    - Shared memory (both ranks on one node): once the last chunk of ``tensor`` is in
+      the pair's two mailboxes (up to 256 KiB each, less with more ranks on the node).
+      A message that fits them returns before the peer calls ``recv``; a longer one
+      returns once the peer has read all but what the mailboxes hold. Either way
+      ``tensor`` may be changed as soon as the send returns.
+    - Gloo (ranks on different nodes, or ``cpu_transport="gloo"``): once the peer has
+      posted the matching ``recv`` and the bytes are sent.
+    - NCCL: at once, with the send queued on the caller's current CUDA stream; it runs
+      when the stream reaches it and the peer's ``recv`` runs. Later work on that
+      stream is ordered after it; work on other streams must not change ``tensor``
+      before the stream passes it.
+
+    With ``async_op=True`` it returns a ``Work`` at once. On the CPU transports
+    ``Work.wait`` returns when the blocking send would have; on NCCL, once the send
+    has finished on the GPU.
     """
     return call(SEND, get_group_handle(group_name), tensor, None, dst_rank, timeout, async_op)
 

@@ -8,10 +8,19 @@ with ``ray.util.collective``. Ray then builds it for
 across nodes) and, when every rank has a GPU, one NCCL group; an op goes to the one
 that holds its buffers. Both are ordinary groups of the public API, under names
 derived from Ray's.
+
+Ray hands ``gloo_timeout`` to its own ``"GLOO"`` backend only and builds any other as
+``backend_cls(world_size, rank, group_name)``, so ``RayGroup`` reads the value from the
+frame of Ray's ``GroupManager.create_collective_group`` that builds it (see
+``gloo_timeout``).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -21,11 +30,74 @@ from ray.util.collective.collective_group.base_collective_group import (
     BaseGroup as RayBaseGroup,
 )
 
+from collective.checks.arguments import check_milliseconds
 from collective.frameworks import kinds, streams
 from collective.ops import collectives, multigpu
 from collective.ray_plugins.names import DEFAULT_NAME
 from collective.registry import lifecycle, queries
-from collective.types import ArgumentTypeError, CollectiveError, ReduceOp
+from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError, ReduceOp
+
+DEFAULT_TIMEOUT_MS = 30000
+"""The timeout of a group whose ``gloo_timeout`` is not known, in ms: Ray's default."""
+
+TIMEOUT_ENV = "collective_gloo_timeout"
+"""Ray's environment variable for the ``gloo_timeout`` of groups made with actor options."""
+
+_RAY_CALLER = ("ray.util.collective.collective", "create_collective_group")
+"""The module and function in Ray that build a backend's group, holding ``gloo_timeout``."""
+
+_warned = threading.Event()
+"""Set once this process has warned that a group's ``gloo_timeout`` cannot be known."""
+
+
+def gloo_timeout(given: Any, caller: Any) -> timedelta:
+    """Return a Ray group's timeout: ``given``, else the ``gloo_timeout`` its builder holds.
+
+    Ray passes ``gloo_timeout`` to its own ``"GLOO"`` backend only; for any other it
+    stays a local of the frame that builds the group, ``caller``, when that frame is
+    Ray's ``GroupManager.create_collective_group``. When ``caller`` is another frame,
+    the value cannot be known: the group takes ``collective_gloo_timeout`` from the
+    environment, else 30000 ms, and the process warns once.
+
+    Raises:
+        TypeError: the timeout is no number.
+        ValueError: the timeout is not a positive number of ms.
+
+    """
+    if given is not None:
+        return check_milliseconds(given, "gloo_timeout")
+    code = getattr(caller, "f_code", None)
+    if code is not None and (caller.f_globals.get("__name__"), code.co_name) == _RAY_CALLER:
+        found = caller.f_locals.get("gloo_timeout")
+        if found is not None:
+            return check_milliseconds(found, "gloo_timeout")
+        return _from_environment()
+    timeout = _from_environment()
+    if not _warned.is_set():
+        _warned.set()
+        warnings.warn(
+            "RayGroup was built by something other than Ray's "
+            "GroupManager.create_collective_group, so the gloo_timeout given to Ray is "
+            f"unknown here; the group's timeout is {timeout.total_seconds():g} s (the "
+            f"{TIMEOUT_ENV} environment variable, else {DEFAULT_TIMEOUT_MS} ms). Pass "
+            f"gloo_timeout to RayGroup, or set {TIMEOUT_ENV} in the actor's environment.",
+            stacklevel=4,
+        )
+    return timeout
+
+
+def _from_environment() -> timedelta:
+    """Return ``collective_gloo_timeout`` from the environment, else 30000 ms."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return timedelta(milliseconds=DEFAULT_TIMEOUT_MS)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ArgumentValueError(
+            f"{TIMEOUT_ENV} must be a positive number of ms, got {raw!r}"
+        ) from None
+    return check_milliseconds(value, TIMEOUT_ENV)
 
 
 def cpu_group_name(group_name: str) -> str:
@@ -62,6 +134,11 @@ def _has_gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _timeout_of(given: float | None) -> timedelta:
+    """Return ``gloo_timeout(given, frame)``, the frame being the caller of ``RayGroup``."""
+    return gloo_timeout(given, sys._getframe(2))
+
+
 class RayGroup(RayBaseGroup):
     """A ``ray.util.collective`` group whose ops run on this library's transports.
 
@@ -71,16 +148,26 @@ class RayGroup(RayBaseGroup):
     """
 
     def __init__(
-        self, world_size: int, rank: int, group_name: str, gloo_timeout: int | None = None
+        self, world_size: int, rank: int, group_name: str, gloo_timeout: float | None = None
     ) -> None:
         """Join the CPU group, then the NCCL group if every rank has a GPU.
 
+        Args:
+            world_size: the number of ranks in the group.
+            rank: this process's rank.
+            group_name: the Ray group's name.
+            gloo_timeout: the default timeout of the group's waits and ops, in ms. None
+                (as Ray passes it) takes the ``gloo_timeout`` given to Ray's
+                ``init_collective_group`` or ``create_collective_group`` (see
+                ``gloo_timeout``).
+
         Raises:
+            TypeError, ValueError: the timeout is not a positive number of ms.
             CollectiveTimeoutError: not every rank arrived within the timeout.
 
         """
+        timeout = _timeout_of(gloo_timeout)
         super().__init__(world_size, rank, group_name)
-        timeout = timedelta(milliseconds=gloo_timeout or 30000)
         self._cpu = cpu_group_name(group_name)
         self._gpu: str | None = None
         lifecycle.init_collective_group(world_size, rank, "gloo", self._cpu, timeout=timeout)

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Run the GPU test suite and the NCCL benchmark on a GPU machine; write a summary under $OUT.
+# Run the GPU test suite, the GPU examples and the NCCL benchmark on a GPU machine; write a
+# summary under $OUT.
 #
 #   bash tests/gpu/run.sh            # from the repository root; OUT unset -> a new temp dir
 #
 # Needs only python3 with torch, numpy, pytest and pytest-timeout, plus cupy with NCCL
 # for the GPU parts: no Ray, no install (collective is imported from this checkout).
 # Without a GPU every part says why it did not run, and the script still succeeds.
-# Writes to $OUT: summary.md (machine, pytest summary, benchmark tables), env.txt,
-# pytest.log, bench.log, bench.txt, bench.json, bench_nocheck.txt (the 8-byte per-call
+# The GPU examples are the programs in examples/ whose docstring has a line starting with
+# "GPU example:"; each runs as a user runs it, and needs Ray (see GPU_WHEELS below):
+# without Ray each is reported skipped, saying so.
+# Writes to $OUT: summary.md (machine, pytest summary, each GPU example's outcome,
+# benchmark tables), env.txt, pytest.log (the suite's output, then each example's),
+# bench.log, bench.txt, bench.json, bench_nocheck.txt (the 8-byte per-call
 # table with the NCCL mismatch check off) and profile.txt (what each CUDA call of our
 # 8-byte allreduce costs alone, and where the call spends its time): eight files, so that a tool that copies back at most
-# eight brings them all. Exits non-zero if a test or the benchmark failed.
-# Time limits (seconds), each overridable: GPU_TESTS_TIMEOUT_S, BENCH_TIMEOUT_S and
-# BENCH_BUDGET_S (the benchmark stops measuring new points after it).
+# eight brings them all. Exits non-zero if a test, a GPU example or the benchmark failed.
+# Time limits (seconds), each overridable: GPU_TESTS_TIMEOUT_S, EXAMPLE_TIMEOUT_S (each
+# example), BENCH_TIMEOUT_S and BENCH_BUDGET_S (the benchmark stops measuring new points
+# after it).
 # World sizes 2 and 3 run on any GPU machine: where fewer GPUs are visible than ranks,
 # the rank processes share them, each claiming a host of its own for NCCL
 # (NCCL_HOSTID, NCCL_SOCKET_IFNAME=lo; see tests/gpu/cases.py).
@@ -73,6 +79,42 @@ cat "$OUT/env.txt"
 timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -p no:cacheprovider \
     --confcutdir=tests/gpu -ra --timeout=120 tests/gpu 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
+pytest_lines=$(wc -l <"$OUT/pytest.log")
+
+# Every GPU example, found by its docstring's marker line. Its output follows the suite's in
+# pytest.log (no file of its own: see the file count above); its outcome goes to summary.md.
+examples_rc=0
+example_outcomes="$(mktemp)"
+example_out="$(mktemp)"
+if "$PYTHON" -c "import ray" >/dev/null 2>&1; then
+    no_ray=""
+else
+    no_ray="Ray is not importable (GPU_WHEELS=DIR installs it)"
+fi
+for example in $(grep -l '^GPU example:' examples/*.py); do
+    if [ -n "$no_ray" ]; then
+        outcome="skipped: $no_ray"
+        echo "===== $example: $outcome" | tee -a "$OUT/pytest.log"
+    else
+        echo "===== $example" | tee -a "$OUT/pytest.log"
+        timeout -k 10 "${EXAMPLE_TIMEOUT_S:-360}" "$PYTHON" "$example" >"$example_out" 2>&1
+        rc=$?
+        tee -a "$OUT/pytest.log" <"$example_out"
+        skipped="$(grep -m 1 '^skipped: ' "$example_out")"
+        if [ "$rc" -eq 0 ] && [ -n "$skipped" ]; then
+            outcome="$skipped"
+        elif [ "$rc" -eq 0 ]; then
+            outcome="passed"
+        elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+            outcome="failed: timed out after ${EXAMPLE_TIMEOUT_S:-360} s"
+        else
+            outcome="failed: exit status $rc (its output is in pytest.log)"
+        fi
+        case "$outcome" in failed*) examples_rc=1 ;; esac
+    fi
+    echo "$example: $outcome" >>"$example_outcomes"
+done
+[ -s "$example_outcomes" ] || echo "no example has a line starting with 'GPU example:'" >"$example_outcomes"
 
 timeout -k 10 "${BENCH_TIMEOUT_S:-300}" "$PYTHON" -m benchmarks.nccl \
     --budget-s "${BENCH_BUDGET_S:-200}" --json "$OUT/bench.json" --text "$OUT/bench.txt" \
@@ -85,7 +127,7 @@ COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops all
     --text "$OUT/bench_nocheck.txt" >>"$OUT/bench.log" 2>&1
 
 {
-    echo "# GPU suite and NCCL benchmark"
+    echo "# GPU suite, GPU examples and NCCL benchmark"
     echo
     echo '```text'
     cat "$OUT/env.txt"
@@ -94,11 +136,17 @@ COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops all
     echo "## pytest tests/gpu (exit $tests_rc)"
     echo
     echo '```text'
-    if grep -q "short test summary info" "$OUT/pytest.log"; then
-        sed -n '/short test summary info/,$p' "$OUT/pytest.log"
+    if head -n "$pytest_lines" "$OUT/pytest.log" | grep -q "short test summary info"; then
+        head -n "$pytest_lines" "$OUT/pytest.log" | sed -n '/short test summary info/,$p'
     else
-        tail -n 40 "$OUT/pytest.log"
+        head -n "$pytest_lines" "$OUT/pytest.log" | tail -n 40
     fi
+    echo '```'
+    echo
+    echo "## GPU examples (exit $examples_rc)"
+    echo
+    echo '```text'
+    cat "$example_outcomes"
     echo '```'
     echo
     echo "## python -m benchmarks.nccl (exit $bench_rc)"
@@ -119,8 +167,10 @@ COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops all
     if [ -s "$OUT/bench_nocheck.txt" ]; then cat "$OUT/bench_nocheck.txt"; else tail -n 20 "$OUT/bench.log"; fi
     echo '```'
 } >"$OUT/summary.md"
+rm -f "$example_outcomes" "$example_out"
 echo "summary: $OUT/summary.md"
 
 # pytest exits 5 when it collected nothing: not a failure of the suite.
 [ "$tests_rc" -eq 0 ] || [ "$tests_rc" -eq 5 ] || exit "$tests_rc"
+[ "$examples_rc" -eq 0 ] || exit "$examples_rc"
 exit "$bench_rc"
