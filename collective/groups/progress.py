@@ -3,9 +3,9 @@
 Each rank counts the collective ops it issues on a group: a plain counter, nothing
 is sent per op. When an op times out, the rank writes a query under every peer's
 abort key in the rendezvous store, the key that the peer's ``FailureWatch`` thread
-is already blocked on. The thread answers with its count under a reply key and goes
-back to watching. A peer whose count is below the number of the op that timed out
-never joined that op.
+is already blocked on. The thread answers with its count (and, where the group keeps
+it, the name of the last op it issued) under a reply key and goes back to watching. A
+peer whose count is below the number of the op that timed out never joined that op.
 
 Point-to-point ops are not counted: two ranks issue them, so counts would differ.
 """
@@ -52,8 +52,10 @@ def _reply_key(nonce: str, rank: int) -> str:
     return f"progress/{nonce}/{rank}"
 
 
-def answer(store: RendezvousStore, key: str, query: bytes, rank: int, count: int) -> None:
-    """Answer ``query``, found under ``key``, with ``rank``'s op count; never raises.
+def answer(
+    store: RendezvousStore, key: str, query: bytes, rank: int, count: int, last: str = ""
+) -> None:
+    """Answer ``query``, found under ``key``, with ``rank``'s op count and last op; never raises.
 
     The query is deleted before the answer is written, so that the querier's own
     failure report, which follows the answer, is what the watch reads next.
@@ -61,7 +63,7 @@ def answer(store: RendezvousStore, key: str, query: bytes, rank: int, count: int
     nonce = query[len(QUERY) :].decode(errors="replace").rpartition("/")[2]
     try:
         store.delete(key)
-        store.set(_reply_key(nonce, rank), str(count).encode())
+        store.set(_reply_key(nonce, rank), f"{count}\n{last}".encode())
     except (CollectiveError, TimeoutError, RuntimeError):
         return
 
@@ -99,19 +101,27 @@ def ask(
             continue
     deadline = time.monotonic() + wait.total_seconds()
     counts: dict[int, int] = {}
+    lasts: dict[int, str] = {}
     for peer in asked:
         left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         try:
-            counts[peer] = int(store.get(_reply_key(nonce, peer), left))
+            count, _, last = store.get(_reply_key(nonce, peer), left).decode().partition("\n")
+            counts[peer] = int(count)
+            lasts[peer] = last
             store.delete(_reply_key(nonce, peer))
         except (CollectiveError, TimeoutError, RuntimeError, ValueError):
             continue
     silent = [p for p in peers if p not in counts]
-    return describe(rank, op_number, counts, silent, "did not answer")
+    return describe(rank, op_number, counts, silent, "did not answer", lasts)
 
 
 def describe(
-    rank: int, op_number: int, counts: dict[int, int], unknown: list[int], why: str
+    rank: int,
+    op_number: int,
+    counts: dict[int, int],
+    unknown: list[int],
+    why: str,
+    lasts: dict[int, str] | None = None,
 ) -> str:
     """Describe who joined op ``op_number``, given the op ``counts`` of the peers that said.
 
@@ -121,6 +131,7 @@ def describe(
         counts: how many ops each peer that could be asked has issued.
         unknown: the peers whose count is not known.
         why: why they are not known, e.g. ``"did not answer"``.
+        lasts: the name of the last op each peer issued, where it said ("" if none).
 
     Returns:
         One line for a timeout's message.
@@ -131,5 +142,11 @@ def describe(
     line = f"ranks that joined it (op {op_number} of the group): {joined}; "
     line += f"ranks that never joined it: {missing}"
     if missing:
-        line += " (" + ", ".join(f"rank {p} has issued {counts[p]} ops" for p in missing) + ")"
+        said = lasts or {}
+        line += " (" + ", ".join(_issued(p, counts[p], said.get(p, "")) for p in missing) + ")"
     return line + (f"; ranks that {why}: {unknown}" if unknown else "")
+
+
+def _issued(peer: int, count: int, last: str) -> str:
+    text = f"rank {peer} has issued {count} ops"
+    return f"{text}, the last {last}" if last and count else text

@@ -67,17 +67,20 @@ class FailureWatch:
         group_name: str,
         op_count: Callable[[], int] = lambda: 0,
         on_failure: Callable[[str], None] | None = None,
+        last_op: Callable[[], str] = str,
     ) -> None:
         """Start the watch thread of ``rank``; it answers progress queries with ``op_count()``.
 
         ``on_failure(report)`` runs in the watch thread once another rank reports a
         failure, to end at once what no wait slice looks at (another group's op).
+        ``last_op()`` names the last op counted, for the answers ("" if not kept).
         """
         self._store = store
         self._watched = store.watcher()
         self._rank = rank
         self._world_size = world_size
         self._op_count = op_count
+        self._last_op = last_op
         self._on_failure = on_failure
         self._failure: str | None = None
         self._stopped = False
@@ -101,7 +104,8 @@ class FailureWatch:
             except (CollectiveError, RuntimeError):
                 return
             if progress.is_query(value):
-                progress.answer(self._watched, key, value, self._rank, self._op_count())
+                count, last = self._op_count(), self._last_op()
+                progress.answer(self._watched, key, value, self._rank, count, last)
                 continue
             if value != _STOP:
                 self._failure = value.decode(errors="replace")

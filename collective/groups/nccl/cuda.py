@@ -130,14 +130,17 @@ class NcclWork(OnceWork):
         events: Sequence[Any],
         comms: Sequence[Any],
         finish: Callable[[], None],
-        fail: Callable[[str, timedelta, BaseException], CollectiveError],
+        fail: Callable[[str, timedelta, BaseException, int], CollectiveError],
         timeout: timedelta,
         broken: Callable[[], CollectiveError | None] = lambda: None,
+        number: int = 0,
     ) -> None:
         """Track ``events`` of op ``op``; ``fail`` turns a failure into the group's error.
 
         ``broken`` returns the group's failure, if another op or the watchdog found one:
-        the events of an op whose communicators were aborted complete too.
+        the events of an op whose communicators were aborted complete too. ``number``
+        is the group's count of collectives with this op (0: not counted), which
+        ``fail`` gets.
         """
         super().__init__()
         self._op = op
@@ -148,6 +151,7 @@ class NcclWork(OnceWork):
         self._fail = fail
         self._op_timeout = timeout
         self._broken = broken
+        self._number = number
 
     def _complete(self, timeout: timedelta | None) -> None:
         if self._error is not None:  # ``exception`` has seen the failure already
@@ -159,7 +163,7 @@ class NcclWork(OnceWork):
             for comm in self._comms:
                 comm.check_async_error()
         except (RuntimeError, TimeoutError) as exc:
-            self._error = self._fail(self._op, limit, exc)
+            self._error = self._fail(self._op, limit, exc, self._number)
             return
         self._error = self._broken()
         if self._error is None:
@@ -181,6 +185,6 @@ class NcclWork(OnceWork):
                 comm.check_async_error()
         except RuntimeError as exc:
             with self._lock:
-                self._error = self._fail(self._op, self._op_timeout, exc)
+                self._error = self._fail(self._op, self._op_timeout, exc, self._number)
             return self._error
         return None

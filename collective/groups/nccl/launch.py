@@ -30,6 +30,9 @@ DeviceCalls = Callable[[int, Any, int], list[NcclCall]]
 LAUNCHES_KEPT = 256
 """How many launches a group keeps; the oldest goes first."""
 
+_POINT_TO_POINT = frozenset({"send", "recv"})
+"""The ops a group does not count among its collectives."""
+
 
 @dataclass(frozen=True)
 class Signed:
@@ -65,6 +68,9 @@ class Launch:
     callers: tuple[int, ...] = ()
     """The caller's current stream on each device, which the launch's key fixes: an
     async op's comm streams wait for them, and its ``Work.wait`` orders them after it."""
+    counted: bool = True
+    """Whether the group counts the op among its collectives: every op but send and recv,
+    which two ranks issue (see ``groups.progress``)."""
 
     def issue(self, nccl: Any, cuda: Any) -> None:
         """Issue the calls; on a failure inside the NCCL group, discard the whole group.
@@ -115,4 +121,5 @@ def build(
         and getattr(calls[0][0][0], "__self__", None) in comms
     ):
         single = calls[0][0]
-    return Launch(op, devices, calls, streams, markers, single, signed, callers)
+    counted = op not in _POINT_TO_POINT
+    return Launch(op, devices, calls, streams, markers, single, signed, callers, counted)

@@ -16,6 +16,11 @@ Communicators are made on first use and cached:
 Launches, streams and the mismatch check: see ``running`` and ``mismatch``. A
 failure, an abort or a destroy drops the group's launches.
 
+Peers: a rank counts the collectives it issues and keeps the last one's name; its
+``FailureWatch`` answers the peers through the store (``groups.progress``). An op that
+times out asks every peer how far it got, to name those that never issued it, and a
+failure is told to the peers, whose groups fail at once.
+
 Locks: the op lock is held for a whole op, including the making of a communicator,
 which waits up to the timeout for the peers; the state lock is held for moments
 only, so ``abort`` and ``destroy_group`` never wait for an op or a pending init.
@@ -49,6 +54,8 @@ from collective.groups.nccl.comm import (
 from collective.groups.nccl.cuda import STREAMS, wait_events
 from collective.groups.nccl.launch import DeviceCalls, Launch, Signed
 from collective.groups.nccl.watchdog import Watch
+from collective.groups.progress import answer_wait
+from collective.groups.watch import FailureWatch
 from collective.rendezvous.store import RendezvousStore, meet
 from collective.types import (
     DEFAULT_TIMEOUT,
@@ -121,6 +128,14 @@ class NcclLifecycle(BaseGroup):
         """False once the group failed, was aborted or destroyed: ``_check_usable`` says why."""
         self._checking = mismatch.enabled()
         self._checks: dict[int, mismatch.Check] = {}
+        self._issued, self._last_op = 0, ""  # collectives (not send, recv) issued; the last
+        self._peers: FailureWatch | None = None
+        if world_size > 1:
+            count, last = (lambda: self._issued), (lambda: self._last_op)
+            own = store.watcher()  # never waits behind an op's store reads
+            self._peers = FailureWatch(
+                own, rank, world_size, group_name, count, self._reported, last
+            )
         self._watch = Watch(
             self._cuda,
             self._op_lock,
@@ -173,14 +188,29 @@ class NcclLifecycle(BaseGroup):
         self._launches = {}
         self.launches.clear()
 
-    def _fail(self, op: str, timeout: timedelta, exc: BaseException) -> CollectiveError:
-        """Mark the group unusable after ``exc``, abort its communicators, return the error."""
+    def _reported(self, report: str) -> None:
+        """Fail the group because another rank reported ``report`` (the watch thread runs it)."""
+        self._fail("nccl op", self.timeout, CollectiveError(f"group {self.group_name!r}: {report}"))
+
+    def _fail(
+        self, op: str, timeout: timedelta, exc: BaseException, number: int = 0
+    ) -> CollectiveError:
+        """Mark the group unusable after ``exc``, abort its communicators, return the error.
+
+        ``number`` is the group's count of collectives with ``op`` (0: not counted);
+        when such an op timed out, the error says which peers never issued it. The
+        first failure is told to the peers.
+        """
         if self._aborted is not None:
             return self._aborted_error(op)
+        peers = self._peers
         if isinstance(exc, CollectiveError):
             error = exc
         elif isinstance(exc, TimeoutError):
-            error = CollectiveTimeoutError(op, self.group_name, self.rank, timeout, str(exc))
+            detail = str(exc)
+            if number and peers is not None and self._error is None:
+                detail += "; " + peers.progress(number, answer_wait(timeout))
+            error = CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
         else:
             error = CollectiveError(
                 f"{op} on group {self.group_name!r} failed on rank {self.rank}: "
@@ -195,6 +225,8 @@ class NcclLifecycle(BaseGroup):
         if first is not None:  # the first failure aborted the communicators
             return first
         self._watch.stopped = True
+        if peers is not None:
+            peers.report(str(error))
         release_communicators(self._cuda, comms, [], False, self.timeout)
         return error
 
@@ -364,3 +396,5 @@ class NcclLifecycle(BaseGroup):
             STREAMS.release(self._cuda, streams)
         with self._lock:
             self._inflight = []
+        if self._peers is not None:
+            self._peers.stop()

@@ -227,9 +227,13 @@ class NcclRunning(NcclLifecycle):
                     launch.issue(self._nccl, self._cuda)
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
+            number = 0
+            if launch.counted:
+                number = self._issued = self._issued + 1
+                self._last_op = launch.op
             if not capturing:
                 for marker in launch.markers:
-                    self._watch.issued(marker, launch.op, timeout)
+                    self._watch.issued(marker, launch.op, timeout, number)
 
     def _run_async(self, launch: Launch, timeout: timedelta, *buffers: Any) -> Work:
         """Issue an async op's launch on the comm streams, after the callers' streams.
@@ -273,10 +277,14 @@ class NcclRunning(NcclLifecycle):
                 cuda_buffers.record_streams(buffers, devices, streams)
             except Exception as exc:
                 raise self._fail(launch.op, timeout, exc) from exc
+            number = 0
+            if launch.counted:
+                number = self._issued = self._issued + 1
+                self._last_op = launch.op
             watch = self._watch
             for marker in launch.markers:
                 if not watch.capturing(marker.stream):
-                    watch.issued(marker, launch.op, timeout)
+                    watch.issued(marker, launch.op, timeout, number)
             for device, event in zip(devices, ready, strict=True):
                 pool.setdefault(device, []).append(event)
         with self._lock:
@@ -293,7 +301,15 @@ class NcclRunning(NcclLifecycle):
                     pool.setdefault(device, []).append(event)
 
         return NcclWork(
-            launch.op, cuda, done, self._all_comms(), order_after, self._fail, timeout, self._broken
+            launch.op,
+            cuda,
+            done,
+            self._all_comms(),
+            order_after,
+            self._fail,
+            timeout,
+            self._broken,
+            number,
         )
 
     def _broken(self) -> CollectiveError | None:

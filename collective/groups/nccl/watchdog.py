@@ -39,7 +39,7 @@ _CAPTURE_NONE = 0
 class Marker:
     """One stream's reusable event and the oldest op on it not yet seen finished."""
 
-    __slots__ = ("deadline", "device", "event", "op", "stream", "timeout")
+    __slots__ = ("deadline", "device", "event", "number", "op", "stream", "timeout")
 
     def __init__(self, event: Any, stream: int, device: int) -> None:
         """Watch ``stream`` of GPU ``device`` with cupy ``event``, idle."""
@@ -48,6 +48,8 @@ class Marker:
         self.device = device
         self.deadline: float | None = None
         self.op = ""
+        self.number = 0
+        """The group's count of collectives when ``op`` was issued (0: not counted)."""
         self.timeout = timedelta(0)
 
 
@@ -63,11 +65,14 @@ class Watch:
         cuda: Any,
         lock: threading.Lock,
         comms: Callable[[], Sequence[Any]],
-        fail: Callable[[str, timedelta, BaseException], Any],
+        fail: Callable[[str, timedelta, BaseException, int], Any],
         mismatch: Callable[[], BaseException | None] = lambda: None,
         unread: Callable[[], list[Any]] = list,
     ) -> None:
         """Watch ops issued under ``lock`` on ``comms()``; ``fail`` ends the group.
+
+        ``fail(op, timeout, exc, number)`` gets the group's count of collectives when
+        the failed op was issued (0 when not known).
 
         ``mismatch`` reads the finished signature checks and returns the error of a
         mismatch (having failed the group), or None; ``unread`` returns the events of
@@ -103,17 +108,19 @@ class Watch:
             WATCHDOG.captured(runtime, stream)
         return capturing
 
-    def issued(self, marker: Marker, op: str, timeout: timedelta) -> None:
+    def issued(self, marker: Marker, op: str, timeout: timedelta, number: int = 0) -> None:
         """Mark that ``op`` was just queued on ``marker``'s stream (never during capture).
 
         The marker's deadline is the earliest of its pending ops': an op with a short
-        timeout behind one with a long timeout ends at its own.
+        timeout behind one with a long timeout ends at its own. ``number`` is the
+        group's count of collectives with ``op`` (0 for a send or receive).
         """
         self._cuda.runtime.eventRecord(marker.event.ptr, marker.stream)
         deadline = time.monotonic() + timeout.total_seconds()
         earliest = marker.deadline
         if earliest is None or deadline < earliest:
             marker.op, marker.timeout, marker.deadline = op, timeout, deadline
+            marker.number = number
             if earliest is None:
                 WATCHDOG.wake(self)
 
@@ -142,7 +149,7 @@ class Watch:
                 self.stopped = True
                 return False
         except RuntimeError as exc:
-            self._fail("nccl signature check", timedelta(0), exc)
+            self._fail("nccl signature check", timedelta(0), exc, 0)
             self.stopped = True
             return False
         for marker in list(self.markers.values()):
@@ -165,10 +172,10 @@ class Watch:
 
     def _end(self, marker: Marker, exc: BaseException) -> None:
         self.stopped = True
-        op, timeout = marker.op, marker.timeout
+        op, timeout, number = marker.op, marker.timeout, marker.number
         for m in self.markers.values():
             m.deadline = None
-        self._fail(op, timeout, exc)
+        self._fail(op, timeout, exc, number)
 
 
 def _stuck(marker: Marker) -> str:

@@ -1,0 +1,78 @@
+"""An NCCL timeout names the ranks that never issued the op, and a failure reaches every rank.
+
+Ranks are threads on ``ContractCupy`` (see ``tests/nccl_threads.py``): an op that a peer
+never joins is one whose events never complete. World size 3: rank 1 skips the second
+allreduce; ranks 0 and 2 time out and name rank 1, how many collectives it issued and
+the last one, and a rank that times out tells the others, whose groups fail at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from collective.groups.nccl.group import NCCLGroup
+from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError
+from tests.nccl_binding import NOT_READY, DeviceArray
+from tests.nccl_threads import CONTRACT, Ranks, contract_ranks
+
+pytestmark = CONTRACT
+
+TIMEOUT = timedelta(seconds=1)
+
+
+@pytest.fixture
+def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
+    with contract_ranks(monkeypatch) as make:
+        yield make
+
+
+def _allreduce(group: NCCLGroup, timeout: timedelta | None = None) -> Any:
+    x = DeviceArray((4, 8), "float32", 0)
+    return group.allreduce([x], AllReduceOptions(timeout=timeout, async_op=True))
+
+
+def _skip_second_allreduce(r: Ranks, stuck: list[int]) -> dict[int, tuple[float, str]]:
+    """Every rank issues one allreduce; then ranks ``stuck`` issue a second one, never done."""
+    r.run(lambda _, g: _allreduce(g).wait())
+    r.settle()
+    for rank in stuck:
+        r.cupys[rank].trace.event_status = lambda handle, real_status: NOT_READY
+
+    def second(rank: int, group: NCCLGroup) -> tuple[float, str]:
+        start = time.monotonic()
+        with pytest.raises(CollectiveError) as info:
+            _allreduce(group, TIMEOUT).wait()
+        return time.monotonic() - start, str(info.value)
+
+    return dict(zip(stuck, r.run(second, ranks=stuck), strict=True))
+
+
+def test_a_timeout_names_the_rank_that_never_issued_the_op(ranks: Callable[..., Ranks]) -> None:
+    r = ranks(3, timeout=timedelta(seconds=20))
+    outcomes = _skip_second_allreduce(r, stuck=[0, 2])
+    for rank, (took, message) in outcomes.items():
+        assert took < TIMEOUT.total_seconds() + 2, (rank, took)
+        assert "ranks that never joined it: [1] (rank 1 has issued 1 ops, the last allreduce)" in (
+            message
+        ), (rank, message)
+        assert "(op 2 of the group): [0, 2]" in message, (rank, message)
+
+
+def test_a_rank_that_times_out_tells_the_others_at_once(ranks: Callable[..., Ranks]) -> None:
+    r = ranks(2, timeout=timedelta(seconds=20))
+    outcomes = _skip_second_allreduce(r, stuck=[0])
+    took, message = outcomes[0]
+    assert isinstance(message, str) and took < TIMEOUT.total_seconds() + 2
+    assert "ranks that never joined it: [1]" in message
+    deadline = time.monotonic() + 5
+    while r.groups[1]._error is None:
+        assert time.monotonic() < deadline, "rank 1 never heard of rank 0's failure"
+        time.sleep(0.01)
+    with pytest.raises(CollectiveError, match=r"rank 0 reported: allreduce .* timed out"):
+        r.run(lambda _, g: _allreduce(g).wait(), ranks=[1])
+    assert isinstance(r.groups[0]._error, CollectiveTimeoutError)
