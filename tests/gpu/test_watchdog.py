@@ -2,7 +2,8 @@
 
 A blocking op whose peer never calls leaves the caller's ``torch.cuda.synchronize``
 hanging until the watchdog aborts the group's communicators, within the timeout
-plus a few seconds, and the next call raises ``CollectiveTimeoutError``. Ranks that
+plus a few seconds, and the next call raises ``CollectiveTimeoutError`` naming the
+rank that never issued the op. Ranks that
 allreduce different counts both raise a ``CollectiveError`` naming the shape. An
 allreduce captured in a CUDA graph replays right on changing inputs. A group with
 ``check_args`` raises the same argument error on every rank for a mismatched call. The ranks are
@@ -51,6 +52,9 @@ def test_a_peer_that_never_calls_ends_at_the_timeout_and_breaks_the_group() -> N
     assert TIMEOUT_S - 1 <= took < TIMEOUT_S + SLACK_S, f"synchronize took {took:.1f} s"
     assert error == "CollectiveTimeoutError", message
     assert "allreduce" in message and "gpu-watch-" in message
+    assert "ranks that never joined it: [1] (rank 1 has issued 1 ops, the last allreduce)" in (
+        message
+    )
 
 
 def test_ranks_that_allreduce_different_counts_both_raise() -> None:
