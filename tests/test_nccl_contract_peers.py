@@ -4,6 +4,7 @@ Ranks are threads on ``ContractCupy`` (see ``tests/nccl_threads.py``): an op tha
 never joins is one whose events never complete. World size 3: rank 1 skips the second
 allreduce; ranks 0 and 2 time out and name rank 1, how many collectives it issued and
 the last one, and a rank that times out tells the others, whose groups fail at once.
+The replay of a CUDA graph put under ``watch`` fails the group at its timeout.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ from typing import Any
 
 import pytest
 
+import collective as col
+from collective.frameworks import cuda_buffers
 from collective.groups.nccl.group import NCCLGroup
-from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError
+from collective.types import (
+    AllReduceOptions,
+    CollectiveError,
+    CollectiveTimeoutError,
+    GroupNotFoundError,
+)
 from tests.nccl_binding import NOT_READY, DeviceArray
-from tests.nccl_threads import CONTRACT, Ranks, contract_ranks
+from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
 
 pytestmark = CONTRACT
 
@@ -76,3 +84,32 @@ def test_a_rank_that_times_out_tells_the_others_at_once(ranks: Callable[..., Ran
     with pytest.raises(CollectiveError, match=r"rank 0 reported: allreduce .* timed out"):
         r.run(lambda _, g: _allreduce(g).wait(), ranks=[1])
     assert isinstance(r.groups[0]._error, CollectiveTimeoutError)
+
+
+def test_a_replay_put_under_watch_fails_the_group_at_its_timeout(
+    ranks: Callable[..., Ranks],
+) -> None:
+    r = ranks(1, timeout=timedelta(seconds=20))
+    r.run(lambda _, g: _allreduce(g).wait())
+    r.settle()
+    group = r.groups[0]
+    r.cupys[0].trace.event_status = lambda handle, real_status: NOT_READY
+    start = time.monotonic()
+    r.run(lambda _, g: g.watch_stream(caller_stream(0), 0, TIMEOUT))
+    deadline = start + TIMEOUT.total_seconds() + 5
+    while group._error is None:
+        assert time.monotonic() < deadline, "the watched replay never timed out"
+        time.sleep(0.01)
+    assert time.monotonic() - start >= TIMEOUT.total_seconds() - 0.05
+    with pytest.raises(CollectiveTimeoutError, match="CUDA graph replay on group"):
+        r.run(lambda _, g: _allreduce(g).wait())
+    assert [e.name for e in r.cupys[0].trace.named("abort")] == ["abort"]
+
+
+def test_watch_refuses_what_it_cannot_watch() -> None:
+    with pytest.raises(TypeError, match=r"stream must be a torch\.cuda\.Stream.*got str"):
+        cuda_buffers.stream_of("stream")
+    with pytest.raises(TypeError, match="got bool"):
+        cuda_buffers.stream_of(True)
+    with pytest.raises(GroupNotFoundError):
+        col.watch("no-such-group")

@@ -117,6 +117,39 @@ def cupy_stream(device: int) -> int:
     return cupy.cuda.get_current_stream(device).ptr
 
 
+def stream_of(stream: Any) -> tuple[int, int]:
+    """Return ``(handle, device)`` of a CUDA stream given as a user names it.
+
+    ``stream`` is a ``torch.cuda.Stream``, a cupy stream, a raw handle (an int, on the
+    current device), or None: torch's current stream on the current device (cupy's
+    where torch is not imported).
+
+    Raises:
+        ArgumentTypeError: ``stream`` is none of these.
+
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(stream, torch.cuda.Stream):
+        return int(stream.cuda_stream), int(stream.device.index)
+    cupy = sys.modules.get("cupy") or importlib.import_module("cupy")
+    is_cupy_stream = isinstance(stream, cupy.cuda.stream._BaseStream)
+    if is_cupy_stream and stream.device_id >= 0:
+        return int(stream.ptr), int(stream.device_id)
+    is_handle = isinstance(stream, int) and not isinstance(stream, bool) and stream >= 0
+    if not (stream is None or is_handle or is_cupy_stream):
+        raise ArgumentTypeError(
+            "stream must be a torch.cuda.Stream, a cupy stream, a stream handle (an int) or "
+            f"None, got {type(stream).__name__}"
+        )
+    if stream is None and torch is not None:
+        device = torch.cuda.current_device()
+        return torch_stream(device), device
+    current = int(cupy.cuda.runtime.getDevice())
+    if stream is None:
+        return cupy_stream(current), current
+    return (int(stream.ptr) if is_cupy_stream else stream), current
+
+
 def capturing(x: Any) -> bool:
     """Return whether the caller's current stream on GPU buffer ``x``'s device captures a graph.
 

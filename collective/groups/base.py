@@ -347,6 +347,10 @@ class BaseGroup(ABC):
         peer: ``outputs[j]`` on rank i matches ``inputs[i]`` on rank j.
         """
 
+    def watch_stream(self, stream: int, device: int, timeout: timedelta) -> None:
+        """Fail the group unless the work on GPU ``device``'s ``stream`` ends within ``timeout``."""
+        raise ArgumentValueError(f"group {self.group_name!r} drives no GPU stream to watch")
+
     def abort(self, reason: str) -> None:
         """End every op pending on this rank at once; the group is unusable after.
 

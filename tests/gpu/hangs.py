@@ -139,3 +139,38 @@ def capture_on_rank(context: RankContext, replays: int) -> list[list[float]]:
 def expected_replays(world_size: int, replays: int) -> list[list[float]]:
     """Return what ``capture_on_rank`` must see on every rank: the sums of the ranks' inputs."""
     return [[float(np.sum([r + 1 + k for r in range(world_size)]))] * 4 for k in range(replays)]
+
+
+def watched_replay_on_rank(
+    context: RankContext, absent: int, timeout_s: float
+) -> tuple[float, str]:
+    """Capture an allreduce; replay it, watched for ``timeout_s``, except on rank ``absent``.
+
+    Returns how long this rank's ``synchronize`` after the replay took, and what the
+    group's next call raised (the absent rank: -1, "").
+    """
+    from datetime import timedelta
+
+    import torch
+
+    group, device = cases._GROUPS[0], cases.gpu_of(context.rank)
+    static = torch.ones(4, device=f"cuda:{device}")
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        group.allreduce([static], AllReduceOptions())
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    time.sleep(0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        group.allreduce([static], AllReduceOptions())
+    if context.rank == absent:
+        return -1.0, ""
+    start = time.monotonic()
+    graph.replay()
+    stream = torch.cuda.current_stream(device)
+    group.watch_stream(stream.cuda_stream, device, timedelta(seconds=timeout_s))
+    torch.cuda.synchronize(device)  # ends when the watchdog aborts the communicators
+    took = time.monotonic() - start
+    return took, _next_op(group, device)[1]

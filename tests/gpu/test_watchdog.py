@@ -85,3 +85,13 @@ def test_check_args_on_nccl_raises_the_same_argument_error_on_every_rank() -> No
         sent = out[5]
         assert sent[0] == "ArgumentValueError" and "different arguments" in sent[1], sent
     assert results[1][6] == ("values", str([0.0] * 4)), "the mismatched recv wrote"
+
+
+def test_a_watched_replay_whose_peer_never_replays_ends_at_the_timeout() -> None:
+    with _pool(60.0) as pool:
+        results = pool.run(
+            hangs.watched_replay_on_rank, 1, TIMEOUT_S, timeout=timedelta(seconds=120)
+        )
+    took, message = results[0]
+    assert TIMEOUT_S - 1 <= took < TIMEOUT_S + SLACK_S, f"synchronize took {took:.1f} s"
+    assert "CUDA graph replay" in message, message

@@ -39,7 +39,7 @@ from collective.groups.launches import Prepared
 from collective.groups.nccl.cuda import NcclWork, settled
 from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
 from collective.groups.nccl.lifecycle import Builder, NcclLifecycle
-from collective.types import CollectiveError, ReduceOp
+from collective.types import ArgumentValueError, CollectiveError, ReduceOp
 from collective.work import Work
 
 OpParts = tuple[Sequence[Any], tuple[Any, ...], Builder, "tuple[int, ReduceOp | None] | None"]
@@ -311,6 +311,28 @@ class NcclRunning(NcclLifecycle):
             self._broken,
             number,
         )
+
+    def watch_stream(self, stream: int, device: int, timeout: timedelta) -> None:
+        """Watch the work queued so far on ``stream`` of GPU ``device``, as an op of the group.
+
+        For what the watchdog never sees, the replay of a CUDA graph holding the
+        group's ops: if that work has not finished within ``timeout``, the group
+        fails as after an op's timeout (its communicators are aborted, so the
+        replay's kernels end, and its next call raises ``CollectiveTimeoutError``).
+
+        Raises:
+            ArgumentValueError: ``stream`` captures a CUDA graph now.
+
+        """
+        with self._op_lock:
+            self._check_usable(self._destroyed)
+            if self._watch.capturing(stream):
+                raise ArgumentValueError(
+                    "stream captures a CUDA graph: watch the replay after graph.replay(), "
+                    "outside capture"
+                )
+            marker = self._watch.marker(stream, device)
+            self._watch.issued(marker, "CUDA graph replay", timeout)
 
     def _broken(self) -> CollectiveError | None:
         """Return the group's failure, if the watchdog, a signature check or an op found one."""
