@@ -4,7 +4,8 @@ Ranks are threads on ``ContractCupy`` (see ``tests/nccl_threads.py``): an op tha
 never joins is one whose events never complete. World size 3: rank 1 skips the second
 allreduce; ranks 0 and 2 time out and name rank 1, how many collectives it issued and
 the last one, and a rank that times out tells the others, whose groups fail at once.
-The replay of a CUDA graph put under ``watch`` fails the group at its timeout.
+The replay of a CUDA graph put under ``watch`` fails the group at its timeout, and the
+watchdog keeps a busy group patrolled, lets an idle one go and takes it back.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import collective as col
 from collective.frameworks import cuda_buffers
 from collective.groups.nccl.group import NCCLGroup
+from collective.groups.nccl.watchdog import LINGER_S
 from collective.types import (
     AllReduceOptions,
     CollectiveError,
@@ -113,3 +115,25 @@ def test_watch_refuses_what_it_cannot_watch() -> None:
         cuda_buffers.stream_of(True)
     with pytest.raises(GroupNotFoundError):
         col.watch("no-such-group")
+
+
+def test_the_watchdog_lets_an_idle_group_go_and_takes_it_back_with_its_next_op(
+    ranks: Callable[..., Ranks],
+) -> None:
+    r = ranks(1, timeout=timedelta(seconds=20))
+    group = r.groups[0]
+    for _ in range(50):  # back to back: the group stays patrolled, nothing wakes the thread
+        r.run(lambda _, g: g.allreduce([DeviceArray((4, 8), "float32", 0)], AllReduceOptions()))
+        assert group._watch.patrolled
+    deadline = time.monotonic() + LINGER_S + 5
+    while group._watch.patrolled:
+        assert time.monotonic() < deadline, "the watchdog never let the idle group go"
+        time.sleep(0.02)
+    r.cupys[0].trace.event_status = lambda handle, real_status: NOT_READY
+    start = time.monotonic()
+    x = DeviceArray((4, 8), "float32", 0)
+    r.run(lambda _, g: g.allreduce([x], AllReduceOptions(timeout=TIMEOUT)))  # blocking
+    while group._error is None:  # only the watchdog can find it
+        assert time.monotonic() - start < TIMEOUT.total_seconds() + 2, "never timed out"
+        time.sleep(0.01)
+    assert isinstance(group._error, CollectiveTimeoutError)

@@ -5,7 +5,8 @@ so nobody waits for it on the host. Each stream a group's ops run on has one
 reusable CUDA event (a ``Marker``): after each op the group records it on that
 stream and, if no op of that stream was pending, notes the op and its deadline.
 One thread per process (``WATCHDOG``) queries every pending marker a few times a
-second: once its event has completed, every op queued on that stream before it
+second (it keeps a group for ``LINGER_S`` after its last op, so back-to-back ops
+never wake it): once its event has completed, every op queued on that stream before it
 has finished; if the deadline passes first, or a communicator reports an
 asynchronous NCCL error, the group fails: its communicators are aborted (so the
 stuck kernel exits and the caller's stream moves on), and the next call on the
@@ -31,6 +32,9 @@ from collective.groups.nccl.cuda import events_done
 
 POLL_S = 0.02
 """How often the watchdog queries the pending ops of every group."""
+
+LINGER_S = 1.0
+"""How long the watchdog keeps patrolling a group with nothing pending before it lets go."""
 
 _CAPTURE_NONE = 0
 """``cudaStreamCaptureStatusNone``."""
@@ -86,6 +90,9 @@ class Watch:
         self._unread = unread
         self.markers: dict[int, Marker] = {}
         self.stopped = False
+        self.patrolled = False
+        """Whether the watchdog patrols this group; read and cleared under the op lock."""
+        self._idle_since: float | None = None
 
     def marker(self, stream: int, device: int) -> Marker:
         """Return the marker of ``stream`` on GPU ``device``, made on first use."""
@@ -121,7 +128,7 @@ class Watch:
         if earliest is None or deadline < earliest:
             marker.op, marker.timeout, marker.deadline = op, timeout, deadline
             marker.number = number
-            if earliest is None:
+            if earliest is None and not self.patrolled:
                 WATCHDOG.wake(self)
 
     def pending(self) -> list[Any]:
@@ -132,8 +139,10 @@ class Watch:
     def patrol(self, now: float) -> bool:
         """Query the pending markers once; fail the group on an error or a passed deadline.
 
-        Returns whether ops are still pending. Never waits for the op lock: if an op
-        is being issued, this round skips the group.
+        Returns whether to keep patrolling: while ops are pending, and for
+        ``LINGER_S`` after, so that the next op finds the group patrolled and wakes
+        nobody. Never waits for the op lock: if an op is being issued, this round
+        skips the group.
         """
         if not self._lock.acquire(blocking=False):
             return True
@@ -168,7 +177,15 @@ class Watch:
                 self._end(marker, TimeoutError(_stuck(marker)))
                 return False
             busy = True
-        return busy or bool(self._unread())
+        if busy or self._unread():
+            self._idle_since = None
+            return True
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < LINGER_S:
+            return True
+        self.patrolled, self._idle_since = False, None
+        return False
 
     def _end(self, marker: Marker, exc: BaseException) -> None:
         self.stopped = True
@@ -201,6 +218,7 @@ class Watchdog:
         """Make sure ``watch`` is patrolled: its first op since it was last idle was issued."""
         with self._lock:
             self._watches.add(watch)
+            watch.patrolled = True
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="collective-nccl-watchdog", daemon=True
