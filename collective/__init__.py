@@ -14,6 +14,7 @@ from collective.ops.collectives import (
     send,
 )
 from collective.ops.gather_scatter import alltoall, alltoall_single, gather, scatter
+from collective.ops.graphs import watch
 from collective.ops.multigpu import (
     allgather_multigpu,
     allreduce_multigpu,
@@ -24,7 +25,11 @@ from collective.ops.multigpu import (
     send_multigpu,
     synchronize,
 )
-from collective.ray_plugins.register import register_ray_backend, register_tensor_transport
+from collective.ray_plugins.register import (
+    register_ray_backend,
+    register_shm_transport,
+    register_tensor_transport,
+)
 from collective.registry.backends import register_collective_backend
 from collective.registry.elastic import (
     grow_declared_group,
@@ -112,6 +117,7 @@ __all__ = [
     "reducescatter_multigpu",
     "register_collective_backend",
     "register_ray_backend",
+    "register_shm_transport",
     "register_tensor_transport",
     "scatter",
     "send",
@@ -119,4 +125,5 @@ __all__ = [
     "shrink_declared_group",
     "shrink_group",
     "synchronize",
+    "watch",
 ]

@@ -72,6 +72,21 @@ def allreduce_until_failure(name: str) -> tuple[float, str, str]:
     return time.time(), "", "no failure"
 
 
+def settle_rdt(timeout_s: float = 5.0) -> None:
+    """Wait until Ray's RDT failure monitor has taken every transfer of this session.
+
+    Ray keeps its RDT manager across ``ray.shutdown``: a transfer still queued for its
+    monitor reaches the next session's monitor, whose ``ray.wait`` on it raises in a
+    thread. Call it before ``ray.shutdown`` in a module that moved tensors by RDT.
+    """
+    manager = ray._private.worker.global_worker._rdt_manager
+    deadline = time.monotonic() + timeout_s
+    while manager is not None and time.monotonic() < deadline:
+        if manager._unmonitored_transfers.empty():
+            return
+        time.sleep(0.05)
+
+
 def unique_name(prefix: str = "g") -> str:
     """Return a group name no other test uses."""
     return f"{prefix}-{uuid.uuid4().hex[:8]}"

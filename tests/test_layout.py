@@ -45,7 +45,9 @@ ROOMS: dict[str, set[str]] = {
     | {"checks"},
     "ops": BASE | {"work", "frameworks", "groups", "checks", "registry"},
     "bulk": BASE | {"work", "frameworks", "signature", "groups", "checks", "registry"},
-    "ray_plugins": BASE | {"work", "frameworks", "groups", "checks", "registry", "ops"},
+    "ray_plugins": BASE
+    | {"work", "frameworks", "groups", "groups.shm", "checks", "registry"}
+    | {"ops"},
 }
 """Every room of the package (a top-level module, a folder, or one transport in ``groups/``)
 and the rooms it may import: imports point down, and never across transports (the CPU

@@ -4,7 +4,8 @@ The module's two-node cluster is joined with ``runtime_env()``, so every worker
 registers the backend and the transport as it starts: the actors never call
 this library. Every op of ``ray.util.collective``'s API runs on a group whose ranks
 span the nodes (shared memory inside each, Gloo between), and a state dict moves by
-Ray Direct Transport from a node to the other.
+Ray Direct Transport from a node to the other; the one-sided shared-memory transport
+refuses a consumer on the other node, naming the transport that serves it.
 """
 
 from __future__ import annotations
@@ -21,12 +22,20 @@ from ray.experimental.collective import create_collective_group, destroy_collect
 
 import collective as col
 from collective.ray_plugins.hook import runtime_env
-from tests.conftest import RAY_TIMEOUT_S, Member, live_groups, run_all, unique_name
+from tests.conftest import (
+    RAY_TIMEOUT_S,
+    Member,
+    live_groups,
+    run_all,
+    settle_rdt,
+    unique_name,
+)
 from tests.ray_api_ops import WORLD, check_every_op, every_op
 
 BACKEND: Any = "collective"
 """Ray's hints say ``types.Backend``; its calls take the name."""
 col.register_tensor_transport()  # before the classes that name it, as Ray asks
+col.register_shm_transport()
 
 actor_class: Any = ray.remote
 """Ray's decorator; its stubs know neither ``enable_tensor_transport`` nor actor methods."""
@@ -38,6 +47,10 @@ class _Producer:
         return {f"w{i}": torch.full((100 + i,), float(i)) for i in range(50)} | {
             "big": torch.arange(1 << 19, dtype=torch.float32)
         }
+
+    @ray.method(tensor_transport="COLLECTIVE_SHM")
+    def shared(self) -> list[torch.Tensor]:
+        return [torch.ones(4)]
 
 
 Producer: Any = actor_class(num_cpus=0)(_Producer)
@@ -70,6 +83,7 @@ def two_nodes() -> Iterator[None]:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="ray-plugins-two-nodes", runtime_env=runtime_env())
     yield
+    settle_rdt()
     ray.shutdown()
     cluster.shutdown()
 
@@ -101,3 +115,6 @@ def test_a_state_dict_moves_by_rdt_to_the_other_node(two_nodes: None) -> None:
         assert ray.get(consumer.check.remote(ref), timeout=RAY_TIMEOUT_S) == []
     destroy_collective_group(handle)
     assert live_groups() == []
+    # The one-sided transport serves one node only: it names the one that crosses nodes.
+    with pytest.raises(ray.exceptions.RayTaskError, match="use tensor_transport='COLLECTIVE'"):
+        ray.get(consumer.check.remote(producer.shared.remote()), timeout=RAY_TIMEOUT_S)

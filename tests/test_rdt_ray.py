@@ -25,7 +25,7 @@ from ray.experimental.collective import (
 import collective as col
 from collective.ray_plugins import wire
 from collective.ray_plugins.hook import runtime_env
-from tests.conftest import RAY_TIMEOUT_S, live_groups
+from tests.conftest import RAY_TIMEOUT_S, live_groups, settle_rdt
 
 TRANSPORT = "COLLECTIVE"
 col.register_tensor_transport(TRANSPORT)  # before the classes that name it, as Ray asks
@@ -96,6 +96,7 @@ def cluster() -> Iterator[None]:
     )
     col.register_tensor_transport()
     yield
+    settle_rdt()
     ray.shutdown()
 
 

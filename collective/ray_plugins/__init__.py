@@ -1,16 +1,28 @@
 """Inside Ray: this library as a ``ray.util.collective`` backend and as a Ray Direct Transport.
 
 ``backend`` is the group Ray's collective registry builds (a subclass of Ray's
-``BaseGroup`` that runs on ours); ``transport`` is the ``TensorTransportManager``
-of Ray Direct Transport, which moves an object's tensors with ``wire``; ``register``
-registers both in this process and ``hook`` in every worker of a job; ``names``
-holds their names. It sits at the top, beside the public names: it imports
-``collective.ops``, ``collective.registry``, ``collective.groups``,
-``collective.checks``, ``collective.frameworks``, ``collective.types`` and
-``collective.work``, and nothing imports it but ``collective``.
+``BaseGroup`` that runs on ours); ``transport`` is the two-sided
+``TensorTransportManager`` of Ray Direct Transport, which moves an object's tensors
+with ``wire``; ``shm_transport`` is the one-sided one, whose consumers map the
+shared-memory file that ``segment`` writes; ``register`` registers them in this
+process and ``hook`` in every worker of a job; ``names`` holds their names. It sits
+at the top, beside the public names: it imports ``collective.ops``,
+``collective.registry``, ``collective.groups`` (and the arena helpers of
+``collective.groups.shm``), ``collective.checks``, ``collective.frameworks``,
+``collective.types`` and ``collective.work``, and nothing imports it but
+``collective``.
 """
 
 from collective.ray_plugins.hook import runtime_env
-from collective.ray_plugins.register import register_ray_backend, register_tensor_transport
+from collective.ray_plugins.register import (
+    register_ray_backend,
+    register_shm_transport,
+    register_tensor_transport,
+)
 
-__all__ = ["register_ray_backend", "register_tensor_transport", "runtime_env"]
+__all__ = [
+    "register_ray_backend",
+    "register_shm_transport",
+    "register_tensor_transport",
+    "runtime_env",
+]

@@ -9,6 +9,9 @@ from collective.types import ArgumentTypeError, ArgumentValueError
 DEFAULT_NAME = "COLLECTIVE"
 """The backend's and the transport's name by default, as Ray keys them (upper case)."""
 
+SHM_NAME = "COLLECTIVE_SHM"
+"""The one-sided shared-memory transport's name by default."""
+
 
 def check_name(name: Any) -> str:
     """Return ``name`` in upper case, as Ray keys its registries, if it is a non-empty str.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from collective.ray_plugins.names import DEFAULT_NAME, check_name
+from collective.ray_plugins.names import DEFAULT_NAME, SHM_NAME, check_name
 from collective.types import ArgumentValueError
 
 _lock = threading.Lock()
@@ -59,6 +59,8 @@ def register_tensor_transport(name: str = DEFAULT_NAME) -> None:
     the driver before making the actors: Ray then registers the transport in the
     actors the driver makes. Each actor also needs the backend, as
     ``register_ray_backend`` says. Calling it again with the same name is a no-op.
+    For CPU tensors within one node, ``register_shm_transport`` needs no group and
+    serves every consumer at once.
 
     Args:
         name: the transport's name, in any case; Ray keys it in upper case.
@@ -69,22 +71,62 @@ def register_tensor_transport(name: str = DEFAULT_NAME) -> None:
 
     """
     key = check_name(name)
+    from collective.ray_plugins.transport import CollectiveTransport
+
+    _check_free(key, name)
+    register_ray_backend(key)
+    _register(key, name, CollectiveTransport, ["cpu", "cuda"])
+
+
+def register_shm_transport(name: str = SHM_NAME) -> None:
+    """Register this library's one-sided shared-memory transport as Ray Direct Transport ``name``.
+
+    Afterwards a method declared with ``@ray.method(tensor_transport=name)`` (or a
+    ``ray.put(..., _tensor_transport=name)``) writes the CPU torch tensors it returns
+    once into shared memory when it returns, and every consumer on the same node maps
+    them: Ray runs no task on the producer, so all consumers read at once, and no
+    collective group is needed. ``ray.get`` of the reference in the driver works too.
+    A consumer on another node, or CUDA tensors, raise: use ``register_tensor_transport``
+    for those. Call it in the driver before making the actors; Ray registers the
+    transport in the actors the driver makes. Calling it again with the same name is
+    a no-op.
+
+    Args:
+        name: the transport's name, in any case; Ray keys it in upper case.
+
+    Raises:
+        TypeError: ``name`` is no str.
+        ValueError: ``name`` is empty, or names one of Ray's transports or another one.
+
+    """
+    key = check_name(name)
+    from collective.ray_plugins.shm_transport import ShmTransport
+
+    _check_free(key, name)
+    _register(key, name, ShmTransport, ["cpu"])
+
+
+def _check_free(key: str, name: str) -> None:
+    """Refuse ``name`` when it is one of Ray's own transports."""
+    from ray.experimental.rdt import util
+
+    if key in util.DEFAULT_TRANSPORTS:
+        raise ArgumentValueError(f"name {name!r} names one of Ray's own transports; pick another")
+
+
+def _register(key: str, name: str, cls: type, devices: list[str]) -> None:
+    """Register transport class ``cls`` under ``key`` unless it holds ``cls`` already."""
     import torch
     from ray.experimental import register_tensor_transport as ray_register
     from ray.experimental.rdt import util
 
-    from collective.ray_plugins.transport import CollectiveTransport
-
-    if key in util.DEFAULT_TRANSPORTS:
-        raise ArgumentValueError(f"name {name!r} names one of Ray's own transports; pick another")
-    register_ray_backend(key)
     with _lock:
         held = util.transport_manager_info.get(key)
         if held is not None:
-            if held.transport_manager_class is CollectiveTransport:
+            if held.transport_manager_class is cls:
                 return
             raise ArgumentValueError(
                 f"name {name!r} already names the transport "
                 f"{held.transport_manager_class.__qualname__}; pick another"
             )
-        ray_register(key, ["cpu", "cuda"], CollectiveTransport, torch.Tensor)
+        ray_register(key, devices, cls, torch.Tensor)

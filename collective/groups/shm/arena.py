@@ -274,6 +274,23 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+def new_file() -> tuple[int, str]:
+    """Create an empty file named as arenas are, first sweeping stale ones; return fd and path.
+
+    The name holds this process's pid and 6 random bytes, and the file is created
+    exclusively, so no two files ever share a name. Once it starts with ``MAGIC``,
+    ``sweep_stale`` removes it if this process dies before unlinking it.
+
+    Raises:
+        OSError: ``/dev/shm`` is missing or not writable.
+
+    """
+    sweep_stale()
+    name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    path = os.path.join(SHM_DIR, name)
+    return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), path
+
+
 def create(layout: Layout) -> Arena:
     """Create, size and map a new arena of ``layout``; the caller unlinks it later.
 
@@ -281,10 +298,7 @@ def create(layout: Layout) -> Arena:
         OSError: ``/dev/shm`` is missing, full or not writable.
 
     """
-    sweep_stale()
-    name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fd, path = new_file()
     try:
         os.posix_fallocate(fd, 0, layout.size)
         os.pwrite(fd, _MAGIC_BYTES, 0)
