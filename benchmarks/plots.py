@@ -1,15 +1,20 @@
 """The benchmarks' figures, drawn to be read on a docs page 1280 px wide.
 
-Every figure has at most ``MAX_PANELS`` panels, sizes in B, KiB, MiB or GiB, legends in
-words, and text of at least 12 pt at a width that the page shows at about its own size.
-``python -m benchmarks`` and ``python -m benchmarks.bulk`` draw them from their runs;
-``python -m benchmarks.replot`` redraws the committed ones from the committed JSON.
+Every figure has at most ``MAX_PANELS`` panels, sizes in B, KiB, MiB or GiB, and text of
+at least 11 pt at a width that the page shows at about its own size. Small messages are
+drawn as time per op (a log axis: they span three decades), large ones as bus bandwidth
+on a linear axis from zero, split at ``LARGE``. Each line is named at its end, in its
+colour (direct labels, spread so that no two overlap), and has a marker of its own;
+the plain copies are a dashed grey peer, not a bound. ``python -m benchmarks`` and
+``python -m benchmarks.bulk`` draw them from their runs; ``python -m benchmarks.replot``
+redraws the committed ones from the committed JSON, measuring nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +33,26 @@ from benchmarks.report import (
 )
 
 LABELS = {
-    OURS: "collective (shared memory)",
-    OURS_GLOO: "collective on Gloo (TCP)",
+    OURS: "collective",
+    OURS_GLOO: "collective on Gloo",
     TORCH: "raw torch Gloo",
     RAY: "ray.util.collective",
-    STORE: "Ray object store",
-    COPY: "plain copies through shared memory",
+    STORE: "object store",
+    COPY: "plain copies (peer)",
 }
-"""Each implementation of the op sweep in words, in legend order."""
+"""Each implementation of the op sweep in words, as its line's label says it."""
+
+MARKERS = {OURS: "o", OURS_GLOO: "s", TORCH: "^", RAY: "D", STORE: "v", COPY: "x"}
+"""One marker per implementation, so lines that run together stay apart."""
+
+LINE_COLORS = {**COLORS, COPY: "dimgray"}
+"""The report's colours, with the plain-copy peer in grey."""
+
+LARGE = 1 << 20
+"""Messages from this size on are drawn as bus bandwidth; smaller ones as time per op."""
+
+LABEL_GAP = 0.085
+"""The least distance between two direct labels, in a panel's height."""
 
 BULK_LABELS = {
     OURS: "collective, one call",
@@ -85,14 +102,48 @@ def lines(ax: Any, records: list[Record], value: Callable[[Record], float]) -> N
             ax.plot(
                 *zip(*line, strict=True),
                 "--" if impl == COPY else "-",
-                marker="o",
-                markersize=4,
-                color=COLORS.get(impl),
+                marker=MARKERS[impl],
+                markersize=5,
+                color=LINE_COLORS.get(impl),
                 label=label,
             )
     size_axis(ax, sorted({r["size"] for r in records}))
-    ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
+
+
+def spread(positions: list[float], gap: float = LABEL_GAP) -> list[float]:
+    """Return ``positions`` (sorted, in 0..1) moved apart by at least ``gap``, kept in 0..1."""
+    placed: list[float] = []
+    for position in positions:
+        placed.append(max(position, placed[-1] + gap) if placed else position)
+    overflow = placed[-1] - 1.0 if placed else 0.0
+    if overflow > 0:
+        placed = [p - overflow for p in placed]
+        for i in range(len(placed) - 2, -1, -1):
+            placed[i] = min(placed[i], placed[i + 1] - gap)
+    return placed
+
+
+def direct_labels(ax: Any) -> None:
+    """Name each line of ``ax`` at the right edge, level with its last point, in its colour."""
+    ends = []
+    for line in ax.get_lines():
+        xs, ys = line.get_xdata(), line.get_ydata()
+        if len(xs):
+            _, y = ax.transAxes.inverted().transform(ax.transData.transform((xs[-1], ys[-1])))
+            ends.append((float(y), line.get_label(), line.get_color()))
+    ends.sort()
+    for (_, text, color), y in zip(ends, spread([e[0] for e in ends]), strict=True):
+        ax.annotate(
+            text,
+            xy=(1.0, y),
+            xycoords="axes fraction",
+            xytext=(6, 0),
+            textcoords="offset points",
+            va="center",
+            color=color,
+            fontsize=11,
+        )
 
 
 def legend(fig: Any, axes: Any, order: list[str]) -> None:
@@ -114,6 +165,65 @@ def microseconds(value: float, _: Any = None) -> str:
     return f"{value:g} µs"
 
 
+Panel = tuple[str, Callable[[Any], None]]
+"""One panel: its title, and what draws it on its axes."""
+
+
+def latency_panel(ax: Any, records: list[Record]) -> None:
+    """Draw the median time per op of ``records`` against size, on a log axis."""
+    lines(ax, records, lambda r: r["time_us"]["median"])
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(microseconds)
+    ax.set_ylabel("median time per op")
+
+
+def bus_bandwidth(r: Record) -> float:
+    """Return a point's bus bandwidth in GB/s, from its median time where it lacks one."""
+    if "busbw_gbs" in r:
+        return float(r["busbw_gbs"])
+    algbw = r["size"] / (r["time_us"]["median"] * 1e-6) / 1e9
+    return algbw * workloads.BUS_FACTOR[r["op"]](r["world_size"])
+
+
+def bandwidth_panel(ax: Any, records: list[Record]) -> None:
+    """Draw the bus bandwidth of ``records`` against size, on a linear axis from zero."""
+    lines(ax, records, bus_bandwidth)
+    ax.set_ylim(0, max((bus_bandwidth(r) for r in records), default=1.0) * 1.1)
+    ax.set_ylabel("bus bandwidth (GB/s)")
+
+
+def split_panels(title: str, records: list[Record]) -> list[Panel]:
+    """Return a time panel of ``records`` below ``LARGE`` and a bandwidth panel of the rest."""
+    small = [r for r in records if r["size"] < LARGE]
+    large = [r for r in records if r["size"] >= LARGE]
+    panels: list[Panel] = []
+    if small:
+        panels.append((f"{title}: below {human(LARGE)}", lambda ax: latency_panel(ax, small)))
+    if large:
+        panels.append((f"{title}: {human(LARGE)} and up", lambda ax: bandwidth_panel(ax, large)))
+    return panels
+
+
+def figure(path: Path, panels: list[Panel]) -> None:
+    """Draw ``panels``, two a row, each line named at its end, into ``path``."""
+    if not 0 < len(panels) <= MAX_PANELS:
+        raise ValueError(f"a figure takes 1 to {MAX_PANELS} panels, got {len(panels)}")
+    rows, cols = (len(panels) + 1) // 2, min(2, len(panels))
+    with pyplot() as plt:
+        fig, axes = plt.subplots(
+            rows, cols, figsize=(WIDTH_IN, 3.9 * rows + 0.4), squeeze=False, layout="constrained"
+        )
+        for ax, (title, draw) in zip(axes.flat, panels, strict=False):
+            draw(ax)
+            ax.set_title(title)
+            direct_labels(ax)
+        for ax in list(axes.flat)[len(panels) :]:
+            ax.set_visible(False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=DPI, bbox_inches="tight")
+        plt.close(fig)
+
+
 def panels_figure(
     path: Path,
     panels: list[tuple[str, list[Record]]],
@@ -121,36 +231,23 @@ def panels_figure(
     ylabel: str,
     ticks: Callable[[float, Any], str] | None = None,
 ) -> None:
-    """Draw ``panels`` (title, records), two a row, with one legend below them, into ``path``."""
-    if not 0 < len(panels) <= MAX_PANELS:
-        raise ValueError(f"a figure takes 1 to {MAX_PANELS} panels, got {len(panels)}")
-    rows, cols = (len(panels) + 1) // 2, min(2, len(panels))
-    with pyplot() as plt:
-        fig, axes = plt.subplots(
-            rows,
-            cols,
-            figsize=(WIDTH_IN, 4.2 * rows + 1.0),
-            squeeze=False,
-            sharey=True,
-            layout="constrained",
-        )
-        for ax, (title, records) in zip(axes.flat, panels, strict=False):
+    """Draw ``value`` of each panel's records against size, on a log axis, into ``path``."""
+
+    def draw(records: list[Record]) -> Callable[[Any], None]:
+        def on(ax: Any) -> None:
             lines(ax, records, value)
-            ax.set_title(title)
+            ax.set_yscale("log")
+            ax.set_ylabel(ylabel)
             if ticks is not None:
                 ax.yaxis.set_major_formatter(ticks)
-        for ax in axes[:, 0]:
-            ax.set_ylabel(ylabel)
-        for ax in list(axes.flat)[len(panels) :]:
-            ax.set_visible(False)
-        legend(fig, axes.flat, list(LABELS.values()))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=DPI, bbox_inches="tight")
-        plt.close(fig)
+
+        return on
+
+    figure(path, [(title, draw(records)) for title, records in panels])
 
 
 def times(path: Path, results: dict[str, Any], op: str = "allreduce") -> bool:
-    """Draw the median time of ``op`` against size, a panel per world size, into ``path``.
+    """Draw ``op``: small messages' time per op, large ones' bus bandwidth, a row per world size.
 
     Returns False, drawing nothing, when the run has no ``op`` or matplotlib is missing.
     """
@@ -159,16 +256,15 @@ def times(path: Path, results: dict[str, Any], op: str = "allreduce") -> bool:
         import matplotlib  # noqa: F401
     except ImportError:
         return False
-    world_sizes = sorted({r["world_size"] for r in records})[:MAX_PANELS]
+    world_sizes = sorted({r["world_size"] for r in records})[: MAX_PANELS // 2]
     if not world_sizes:
         return False
     panels = [
-        (f"{op}, {n} ranks on one node", [r for r in records if r["world_size"] == n])
+        panel
         for n in world_sizes
+        for panel in split_panels(f"{op}, {n} ranks", [r for r in records if r["world_size"] == n])
     ]
-    panels_figure(
-        path, panels, lambda r: r["time_us"]["median"], "median time per op", microseconds
-    )
+    figure(path, panels)
     return True
 
 
@@ -186,20 +282,25 @@ def figure_paths(path: Path, count: int) -> list[Path]:
 
 
 def busbw(path: Path, records: list[Record]) -> list[tuple[Path, list[str]]]:
-    """Draw bus bandwidth against size, a panel per op and world size, ``MAX_PANELS`` a figure.
+    """Draw the bus bandwidth of messages of ``LARGE`` and up, a panel per op and world size.
 
-    Returns each figure's file and ops, the first in ``path``.
+    ``MAX_PANELS`` panels a figure; smaller messages are in the tables, as times, and a
+    panel of a run without large messages shows its times. Returns each figure's file
+    and ops, the first in ``path``.
     """
     groups = op_groups(records)
     drawn = []
     for file, ops in zip(figure_paths(path, len(groups)), groups, strict=True):
-        panels = []
+        panels: list[Panel] = []
         for op in ops:
             for n in sorted({r["world_size"] for r in records})[:MAX_PANELS]:
                 rows = [r for r in records if (r["op"], r["world_size"]) == (op, n)]
-                if rows:
-                    panels.append((f"{op}, {n} ranks", rows))
-        panels_figure(file, panels, lambda r: r["busbw_gbs"], "bus bandwidth (GB/s)")
+                large = [r for r in rows if r["size"] >= LARGE]
+                if large:
+                    panels.append((f"{op}, {n} ranks", partial(bandwidth_panel, records=large)))
+                elif rows:
+                    panels.append((f"{op}, {n} ranks", partial(latency_panel, records=rows)))
+        figure(file, panels)
         drawn.append((file, ops))
     return drawn
 
@@ -238,7 +339,8 @@ def bulk(path: Path, records: list[Record]) -> None:
                 ticks.append(f"{kind}\n{first['tensors']:,} tensors\n{human_bytes(first['bytes'])}")
             ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(ticks))], ticks)
             ranks = rows[0]["world_size"]
-            ax.set_title(f"{ranks} ranks on {'one node' if nodes == 1 else f'{nodes} nodes'}")
+            where = "one node" if nodes == 1 else f"{nodes} Ray nodes\nof one machine"
+            ax.set_title(f"{ranks} ranks on {where}")
             ax.set_yscale("log")
             ax.grid(True, axis="y", alpha=0.3)
         axes[0][0].set_ylabel("median time per call (ms)")

@@ -82,14 +82,15 @@ html_context = {"default_mode": "light"}
 
 SECTIONS = {
     "get-started": ["install", "quickstart", "examples"],
-    "how-to": ["weight-sync", "elastic", "nccl", "inside-ray", "migration"],
-    "reference": ["api", "backends", "support-matrix", "troubleshooting"],
+    "how-to": ["weight-sync", "elastic", "nccl", "inside-ray", "migration", "debugging"],
+    "reference": ["api", "backends", "support-matrix", "environment", "troubleshooting"],
     "explanation": [
         "concepts",
         "data-movement",
         "failure-model",
         "performance",
         "performance-detail",
+        "design-notes",
     ],
 }
 """Each section page's pages, in order: what the navigation bar and sidebars show."""
@@ -146,7 +147,8 @@ API_TOPICS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "Several GPUs per actor",
-        "Ray's ``*_multigpu`` calls, one tensor per local GPU, on NCCL groups.",
+        "Ray's ``*_multigpu`` calls, one tensor per local GPU, on NCCL groups, and ``watch``"
+        " for the replay of a CUDA graph holding a group's ops.",
         [
             "allreduce_multigpu",
             "reduce_multigpu",
@@ -156,12 +158,13 @@ API_TOPICS: list[tuple[str, str, list[str]]] = [
             "send_multigpu",
             "recv_multigpu",
             "synchronize",
+            "watch",
         ],
     ),
     (
         "Inside Ray",
         "Run Ray's own ``ray.util.collective`` and Ray Direct Transport on this library.",
-        ["register_ray_backend", "register_tensor_transport"],
+        ["register_ray_backend", "register_tensor_transport", "register_shm_transport"],
     ),
     (
         "Queries",
@@ -327,18 +330,27 @@ def summary_body() -> str:
         "",
         "Median time per call of `collective` and of each peer; in brackets, how the "
         "peer's time compares with `collective`'s. Ranks are Ray actors, on one node of "
-        f"{perf_pages.machine(meta)} unless the row says two nodes. Raw Gloo is torch's "
-        "`ProcessGroupGloo` in plain processes, not in Ray. The 8-byte latency times "
-        "single ops back to back; the other rows are medians of the "
-        "[full tables](performance-detail.md#full-results).",
+        f"{perf_pages.machine(meta)} unless the row says 2 Ray nodes: two Ray nodes of "
+        "a `ray.cluster_utils.Cluster` on that same machine, 2 ranks each. Raw Gloo is "
+        "torch's `ProcessGroupGloo` in plain processes, not in Ray. The 8-byte latency "
+        "times single ops back to back; the other rows are medians of the "
+        "[full tables](performance-detail.md#full-results). CPU only: the committed runs "
+        "have no GPU.",
         "",
     ]
     if results is not None and plots.times(SUMMARY_PLOT, results):
         text += [
             "```{image} _generated/allreduce.png",
-            ":alt: median time per allreduce against message size, for collective, "
-            "ray.util.collective, raw torch Gloo and plain copies through shared memory",
+            ":alt: allreduce at 2 and 4 ranks: median time per op below 1 MiB, bus "
+            "bandwidth from 1 MiB, for collective, collective on Gloo, raw torch Gloo, "
+            "ray.util.collective, the object store and plain copies",
             "```",
+            "",
+            "Allreduce in the op sweep: on the left, the time per op of messages below "
+            "1 MiB (lower is faster); on the right, the bus bandwidth of 1 MiB and up "
+            "(higher is faster). Each line is named at its end. The plain copies (dashed) "
+            "are a peer, not a bound; the committed run does not measure the machine's "
+            "memory bandwidth, so no bound is drawn.",
             "",
         ]
     return "\n".join(text)
@@ -382,6 +394,8 @@ def full_body() -> str:
             "repository root to produce results, which it writes to `docs/performance/`.\n"
         )
     parts = [
+        perf_pages.provenance(results["meta"], "docs/performance/results.json"),
+        "",
         "The op tables give the median time per op at every size; a ✗ marks a point "
         "whose result was wrong on some rank. `docs/performance/results.json` and "
         "`results.md` also hold each point's min, max, algbw and busbw, in nccl-tests' "
@@ -406,15 +420,17 @@ def full_body() -> str:
         parts += [
             "### Bus bandwidth",
             "",
-            "Bus bandwidth, nccl-tests' measure of how fast an op moves data, against "
-            "message size; higher is faster.",
+            "Bus bandwidth, nccl-tests' measure of how fast an op moves data, of "
+            "messages of 1 MiB and up, on a linear axis; higher is faster. The op tables "
+            "below give the smaller messages' times. Each line is named at its end; the "
+            "plain copies (dashed) are a peer, not a bound.",
             "",
         ]
     for path, ops in shown:
         parts += [
             f"```{{image}} performance/{path.name}",
-            f":alt: bus bandwidth against message size of {' and '.join(ops)}, "
-            "a panel per op and world size",
+            f":alt: bus bandwidth against message size, 1 MiB and up, of "
+            f"{' and '.join(ops)}, a panel per op and world size",
             "```",
             "",
         ]
@@ -431,10 +447,10 @@ def bulk_body() -> str:
             "--json docs/performance/bulk.json --plot docs/performance/bulk.png "
             "--markdown docs/performance/bulk.md`.\n"
         )
-    image = ""
+    text = perf_pages.provenance(bulk["meta"], "docs/performance/bulk.json") + "\n\n"
     if BULK_PLOT.is_file():
-        image = "```{image} performance/bulk.png\n:alt: median time per call, by workload\n```\n\n"
-    return image + perf_pages.bulk_tables(bulk)
+        text += "```{image} performance/bulk.png\n:alt: median time per call, by workload\n```\n\n"
+    return text + perf_pages.bulk_tables(bulk)
 
 
 GENERATORS: dict[str, dict[str, Callable[[], str]]] = {

@@ -324,9 +324,10 @@ def test_rdt_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(out_json.read_text())
-    rows = {(r["workload"], r["impl"]): r for r in data["results"]}
+    rows = {(r["workload"], r["impl"], r["consumers"]): r for r in data["results"]}
+    impls = ("collective_shm", "collective", "gloo", "object_store")
     assert set(rows) == {
-        (w, i) for w in ("1 MiB x 1", "4 KiB x 50") for i in ("collective", "gloo", "object_store")
+        (w, i, n) for w in ("1 MiB x 1", "4 KiB x 50") for i in impls for n in (1, 3)
     }
     for row in rows.values():
         assert row["wrong"] == 0, row

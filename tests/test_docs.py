@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import html
 import json
 import re
@@ -39,10 +40,12 @@ PAGES = [
     "nccl",
     "inside-ray",
     "migration",
+    "debugging",
     "reference",
     "api",
     "backends",
     "support-matrix",
+    "environment",
     "troubleshooting",
     "explanation",
     "concepts",
@@ -50,6 +53,7 @@ PAGES = [
     "failure-model",
     "performance",
     "performance-detail",
+    "design-notes",
 ]
 TOPICS = [
     "Groups",
@@ -120,14 +124,15 @@ def test_sections_list_their_pages(site: Path) -> None:
     index = page(site, "index")
     for section, pages in {
         "get-started": ["install", "quickstart", "examples"],
-        "how-to": ["weight-sync", "nccl", "inside-ray", "migration"],
-        "reference": ["api", "backends", "support-matrix", "troubleshooting"],
+        "how-to": ["weight-sync", "nccl", "inside-ray", "migration", "debugging"],
+        "reference": ["api", "backends", "support-matrix", "environment", "troubleshooting"],
         "explanation": [
             "concepts",
             "data-movement",
             "failure-model",
             "performance",
             "performance-detail",
+            "design-notes",
         ],
     }.items():
         assert f'href="{section}.html"' in index, section
@@ -177,15 +182,85 @@ def test_performance_page_is_short_and_opens_with_the_summary_and_the_plot(site:
     assert "copy bound" not in performance
 
 
-def test_detail_page_holds_the_full_tables_and_figures(site: Path) -> None:
+def test_detail_page_holds_the_method_and_the_runs_tables_and_the_notes_the_rest(
+    site: Path,
+) -> None:
     detail = page(site, "performance-detail")
+    method = detail.index('id="method"')
+    bulk = detail.index('id="many-tensors-at-once"')
     full = detail.index('id="full-results"')
+    assert method < bulk < detail.index("2,000 tensors, 62.5\u00a0MiB, 4 ranks on one node") < full
     for name in ("busbw.png", "busbw-2.png", "busbw-3.png", "busbw-4.png"):
         assert detail.index(f'src="_images/{name}"') > full, name
-    bulk = detail.index('id="many-tensors-at-once"')
-    where = detail.index('id="where-the-time-goes"')
-    assert bulk < detail.index("2,000 tensors, 62.5\u00a0MiB, 4 ranks on one node") < where
+    assert detail.count("The tables come from the run in") == 2
+    for file in ("results.json", "bulk.json"):
+        assert f"docs/performance/{file}" in detail, file
     assert "copy bound" not in detail
+    assert 'id="where-the-time-goes"' not in detail
+    assert words(detail) - words_of_tables(detail) < 1800, words(detail)
+    notes = page(site, "design-notes")
+    assert 'id="where-the-time-goes"' in notes
+    assert 'id="host-time-per-call-on-one-gpu"' in notes
+
+
+def words_of_tables(html_text: str) -> int:
+    """Return the words inside the tables of a page's article."""
+    article = html_text.split('<article class="bd-article">', 1)[1].split("</article>", 1)[0]
+    tables = re.findall(r"<table.*?</table>", article, flags=re.S)
+    return sum(len(html.unescape(re.sub(r"<[^>]+>", " ", t)).split()) for t in tables)
+
+
+def test_summary_shows_every_many_tensor_workload_on_two_nodes_losses_included(
+    site: Path,
+) -> None:
+    bulk = perf_pages.load(DOCS / "performance" / "bulk.json")
+    assert bulk is not None
+    measured = {(r["workload"], r["nodes"]) for r in bulk["results"]}
+    shown = {(s.workload, s.nodes) for s in perf_pages.SUMMARY if isinstance(s, perf_pages.Bulk)}
+    assert measured <= shown
+    performance = page(site, "performance")
+    points = perf_pages.points(perf_pages.SUMMARY, None, bulk)
+    losses = [p for p in points if (p.peers.get(perf_pages.RAY) or p.ours) < p.ours]
+    assert losses, "the committed run has a row where ray.util.collective is faster"
+    for point in points:
+        assert perf_pages.peer_cell(point, perf_pages.RAY) in performance, point
+    assert 'id="where-it-loses"' in performance
+
+
+TIME = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?) ?(µs|ms|s)\b")
+UNITS = {"µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def committed_times() -> list[float]:
+    """Return every median time, in seconds, of the committed runs."""
+    results = perf_pages.load(DOCS / "performance" / "results.json") or {}
+    bulk = perf_pages.load(DOCS / "performance" / "bulk.json") or {}
+    return (
+        [r["time_us"]["median"] * 1e-6 for r in results.get("results", [])]
+        + [p["median_us"] * 1e-6 for p in results.get("latency", [])]
+        + [r["time_ms"]["median"] * 1e-3 for r in bulk.get("results", [])]
+    )
+
+
+@pytest.mark.parametrize("name", ["performance", "performance-detail"])
+def test_every_time_the_performance_pages_quote_is_a_committed_median(name: str) -> None:
+    text = (DOCS / f"{name}.md").read_text(encoding="utf-8")
+    medians = committed_times()
+    quoted = TIME.findall(text)
+    assert quoted, name
+    for number, unit in quoted:
+        decimals = len(number.split(".")[1]) if "." in number else 0
+        value = float(number.replace(",", ""))
+        assert any(round(m / UNITS[unit], decimals) == value for m in medians), (
+            f"{name}: {number} {unit} is in no committed results file"
+        )
+
+
+def test_gpu_numbers_say_the_gpu_and_the_world_size() -> None:
+    for path in sorted(DOCS.glob("*.md")):
+        for paragraph in path.read_text(encoding="utf-8").split("\n\n"):
+            if re.search(r"H[12]00", paragraph) and re.search(r"\d ?(µs|ms|GB/s)", paragraph):
+                assert "world size 1" in paragraph, (path.name, paragraph[:200])
 
 
 def test_inline_names_link_to_the_api_reference(site: Path) -> None:
@@ -388,8 +463,7 @@ FALSE_CLAIMS = {
     "guide.md": ["raise an error instead of mixing data, on every transport"],
     "failure-model.md": ["get an error on every transport, whether or not"],
 }
-"""Claims the pages once made that a transport does not hold (NCCL: the op runs first, and
-its timeout names no rank)."""
+"""Claims the pages once made that a transport does not hold (NCCL: the op runs first)."""
 
 
 def test_no_page_claims_what_a_transport_does_not_do() -> None:
@@ -401,3 +475,89 @@ def test_no_page_claims_what_a_transport_does_not_do() -> None:
     assert "returns once the peer has it" not in send
     for transport in ("Shared memory", "Gloo", "NCCL"):
         assert transport in send, transport
+
+
+def dotted(node: ast.AST) -> str:
+    """Return ``a.b.c`` for a name or an attribute chain, else an empty string."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else ""
+    return ""
+
+
+def environment_reads() -> dict[str, str]:
+    """Return every environment variable the package reads, with where it reads it.
+
+    A read is ``os.environ.get(X)``, ``os.environ[X]``, ``os.getenv(X)`` or
+    ``X in os.environ``, where ``X`` is a string or a module-level string constant.
+    """
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "collective").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = {
+            target.id: node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        for node in ast.walk(tree):
+            name: ast.AST | None = None
+            if isinstance(node, ast.Call) and dotted(node.func) in {"os.environ.get", "os.getenv"}:
+                name = node.args[0]
+            elif isinstance(node, ast.Subscript) and dotted(node.value) == "os.environ":
+                name = node.slice
+            elif (
+                isinstance(node, ast.Compare)
+                and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+                and any(dotted(c) == "os.environ" for c in node.comparators)
+            ):
+                name = node.left
+            if name is None:
+                continue
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                found[name.value] = where
+            elif isinstance(name, ast.Name) and name.id in constants:
+                found[constants[name.id]] = where
+            else:
+                raise AssertionError(f"{where}: an environment variable the test cannot name")
+    return found
+
+
+def table_names(page_text: str) -> set[str]:
+    """Return the names in the first column of a page's tables: ``| `NAME` | ...``."""
+    return set(re.findall(r"^\| `([A-Za-z_][A-Za-z0-9_]*)` \|", page_text, flags=re.M))
+
+
+def test_environment_page_lists_every_variable_the_code_reads() -> None:
+    reads = environment_reads()
+    assert {
+        "COLLECTIVE_CPU_TRANSPORT",
+        "COLLECTIVE_STRICT_BUFFERS",
+        "COLLECTIVE_NCCL_CHECK",
+        "COLLECTIVE_SHM_SLOT_BYTES",
+    } <= set(reads)
+    text = (DOCS / "environment.md").read_text(encoding="utf-8")
+    listed = table_names(text)
+    for name, where in reads.items():
+        assert name in listed, f"{name} (read at {where}) is not on docs/environment.md"
+    ours = table_names(text.split("## The library's variables", 1)[1].split("\n## ", 1)[0])
+    assert ours == set(reads), "the library's table lists exactly what the code reads"
+
+
+def test_one_install_snippet_is_included_wherever_the_install_lines_appear() -> None:
+    snippet = (DOCS / "_snippets" / "install.txt").read_text(encoding="utf-8")
+    lines = [line.split("#")[0].strip() for line in snippet.splitlines()]
+    for name in ("index", "install", "nccl"):
+        assert "```{literalinclude} _snippets/install.txt" in (DOCS / f"{name}.md").read_text()
+    for path in sorted(DOCS.glob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        written = {line.split("#")[0].strip() for line in text.splitlines()}
+        written |= set(re.findall(r"`([^`]+)`", text))
+        for line in lines:
+            assert line not in written, (path.name, line)

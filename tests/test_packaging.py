@@ -90,6 +90,36 @@ def test_wheel_holds_the_package_its_type_marker_and_no_tests(wheel: Path) -> No
     assert "Provides-Extra: nccl\n" in metadata
 
 
+def extra(metadata: str, name: str) -> set[str]:
+    """Return the requirements of extra ``name`` in a wheel's METADATA."""
+    marker = f'; extra == "{name}"'
+    return {
+        line.removeprefix("Requires-Dist: ").removesuffix(marker).replace(" ", "")
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist: ") and line.endswith(marker)
+    }
+
+
+def test_wheel_declares_a_docs_extra_that_the_tests_install_and_its_classifiers(
+    wheel: Path,
+) -> None:
+    dist_info = f"{DISTRIBUTION.replace('-', '_')}-{collective.__version__}"
+    metadata = zipfile.ZipFile(wheel).read(f"{dist_info}.dist-info/METADATA").decode()
+    assert "Provides-Extra: docs\n" in metadata
+    docs = extra(metadata, "docs")
+    assert {"sphinx>=7.2", "myst-parser>=2.0", "pydata-sphinx-theme>=0.15"} <= docs
+    assert docs <= extra(metadata, "test"), "the test suite builds the docs"
+    classifiers = [
+        line.removeprefix("Classifier: ")
+        for line in metadata.splitlines()
+        if line.startswith("Classifier: ")
+    ]
+    assert "Typing :: Typed" in classifiers
+    assert "Programming Language :: Python :: 3 :: Only" in classifiers
+    assert not [c for c in classifiers if c.startswith("License ::")], "license is SPDX"
+    assert len(classifiers) == len(set(classifiers))
+
+
 def test_wheel_installs_and_imports_in_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
     python = fresh_venv(tmp_path)
     pip_install: list[str | Path] = [sys.executable, "-m", "pip", "--python", python, "install"]

@@ -22,3 +22,11 @@ def test_readme_demo_command_names_an_existing_script() -> None:
     assert (ROOT / script).is_file()
     assert "-c constraints.txt" in demo
     assert (ROOT / "constraints.txt").read_text().split() == ["torch==2.13.0"]
+
+
+def test_readme_install_lines_are_the_docs_snippet() -> None:
+    """The README cannot include a file, so its copy of the install lines must match it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block == (ROOT / "docs" / "_snippets" / "install.txt").read_text()

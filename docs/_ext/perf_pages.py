@@ -109,7 +109,7 @@ class Bulk:
             return None
         first = rows[0]
         what = f"{first['tensors']:,} tensors, {human_bytes(first['bytes'])}"
-        where = "" if self.nodes == 1 else f" on {self.nodes} nodes"
+        where = "" if self.nodes == 1 else f" on {nodes(self.nodes)}"
         label = f"{BULK_CALLS.get(self.workload, self.workload)}, {what}{where}"
         return Point(label, f"{first['world_size']}", times[OURS], {p: times.get(p) for p in PEERS})
 
@@ -129,8 +129,11 @@ SUMMARY: tuple[Spec, ...] = (
     Bulk("transformer", 1),
     Bulk("gradients", 1),
     Bulk("uniform", 2),
+    Bulk("transformer", 2),
+    Bulk("gradients", 2),
 )
-"""The performance page's summary rows, in order."""
+"""The performance page's summary rows, in order: every workload on two nodes too, the
+losses with the wins."""
 
 HEADLINES: tuple[Spec, ...] = (
     Latency(2),
@@ -140,6 +143,38 @@ HEADLINES: tuple[Spec, ...] = (
     Bulk("uniform", 1),
 )
 """The landing page's numbers: small and large messages at 2 and 4 ranks, a whole model."""
+
+
+def nodes(count: int) -> str:
+    """Return where a run's ranks ran: ``one node``, or ``2 Ray nodes of one machine``.
+
+    The many-tensor run's nodes are Ray nodes of a ``ray.cluster_utils.Cluster`` that
+    share the machine it runs on.
+    """
+    return "one node" if count == 1 else f"{count} Ray nodes of one machine"
+
+
+def provenance(meta: dict[str, Any], file: str) -> str:
+    """Return, in a sentence, which run a file's tables come from: its machine and command."""
+    versions = ", ".join(
+        f"{title} {meta[key]}"
+        for key, title in (("python", "Python"), ("torch", "torch"), ("ray", "Ray"))
+        if key in meta
+    )
+    load = meta.get("load_average")
+    return (
+        f"The tables come from the run in `{file}`: `{meta.get('machine')}`"
+        + (f", {meta['cpus']} CPUs" if "cpus" in meta else "")
+        + (f", {versions}" if versions else "")
+        + (f", {meta['seconds']} s" if "seconds" in meta else "")
+        + (f", load average {load[0]} at its end" if load else "")
+        + f", command `{command(meta)}`. "
+        + (
+            f"It was measured at commit `{meta['commit']}`."
+            if meta.get("commit")
+            else "The file records no commit: `git log` on it shows the commit that added it."
+        )
+    )
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -314,10 +349,10 @@ def bulk_tables(bulk: dict[str, Any]) -> str:
     for key in dict.fromkeys((r["workload"], r["nodes"]) for r in records):
         rows = [r for r in records if (r["workload"], r["nodes"]) == key]
         first = rows[0]
-        nodes = "one node" if first["nodes"] == 1 else f"{first['nodes']} nodes"
         parts += [
             f"`{first['workload']}`: {first['tensors']:,} tensors, "
-            f"{human_bytes(first['bytes'])}, {first['world_size']} ranks on {nodes}:",
+            f"{human_bytes(first['bytes'])}, {first['world_size']} ranks on "
+            f"{nodes(first['nodes'])}:",
             "",
             "| implementation | median | min | max | GB/s | against `collective`'s one call |",
             "|---|---|---|---|---|---|",
