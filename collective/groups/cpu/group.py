@@ -10,7 +10,8 @@ the group's full Gloo group.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -82,10 +83,9 @@ class CpuGroup(CpuRunning):
         if prepared is None:
             return None
         run = getattr(short, op)
-        typestr, count = flat.dtype.str, flat.size
-
-        def flat_of(x: Any) -> np.ndarray:
-            return x.ravel() if type(x) is np.ndarray else host_view(x, typestr, count)
+        flat_of: Callable[[Any], np.ndarray] = np.ndarray.ravel  # the key fixes its kind
+        if type(x) is not np.ndarray:
+            flat_of = partial(host_view, typestr=flat.dtype.str, count=flat.size)
 
         general = super().build(op, x, options)[0]
         timeout = options.timeout or self.timeout
