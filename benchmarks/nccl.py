@@ -10,6 +10,9 @@ size and implementation it prints an nccl-tests-style row; then the per-call hos
 time of an 8-byte allreduce at world size 1, and the large-message bandwidth gap of
 each implementation to raw cupy.cuda.nccl. Where cupy, NCCL or a GPU is missing it
 prints why and exits 0.
+
+``python -m benchmarks.nccl --shared-gpu`` measures ranks that share one GPU instead
+(see ``benchmarks.shared_gpu``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks import nccl_peers, nccl_timing
+from benchmarks import nccl_peers, nccl_timing, shared_gpu
 from benchmarks.nccl_peers import IMPLS, OPS, RAW
 from benchmarks.nccl_ranks import RankError, RankPool
 
@@ -33,6 +36,8 @@ FULL_SIZES = [8 << i for i in range(28)]
 """8 B to 1 GiB, doubling, as nccl-tests' ``-b 8 -e 1G -f 2``."""
 QUICK_SIZES = [8, 4 << 10, 1 << 20, 64 << 20]
 OVERHEAD_GOAL_US = 10.0
+SHARED_MOST_BYTES = 1 << 20
+"""Where ranks share a GPU (NCCL over sockets), the largest allreduce measured."""
 GAP_GOAL_PCT = 2.0
 
 
@@ -121,6 +126,8 @@ class Run:
         self.info: dict[str, str] = {}
         self.failed = False
         self.deadline = time.monotonic() + args.budget_s
+        self.gpus = 0
+        """The GPUs this machine shows; set before the first world size runs."""
 
     def note(self, text: str, failure: bool = False) -> None:
         """Record a line for the table's footer; a failure makes the run exit 1."""
@@ -164,8 +171,11 @@ class Run:
         """Measure every op and size, rotating which implementation goes first."""
         broken: set[tuple[str, str]] = set()
         said: set[tuple[str, str]] = set()
+        shared = n > self.gpus
         for k, (op, size) in enumerate((op, s) for op in self.args.ops for s in self.args.sizes):
             why = nccl_peers.skip_reason(op, size, n)
+            if shared and not why and (op != "allreduce" or size > SHARED_MOST_BYTES):
+                why = "ranks share a GPU: only allreduce up to 1 MiB, for the per-call costs"
             if why:
                 if (op, why) not in said:
                     self.note(f"{op}, world size {n}: skipped where {why}")
@@ -297,7 +307,10 @@ def report(run: Run, why: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print its tables and write its JSON; return the exit status."""
-    args = arguments(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--shared-gpu" in argv:
+        return shared_gpu.main([a for a in argv if a != "--shared-gpu"])
+    args = arguments(argv)
     start = time.monotonic()
     run = Run(args)
     from collective.groups.nccl.comm import unavailable_reason
@@ -306,12 +319,16 @@ def main(argv: list[str] | None = None) -> int:
     gpus = 0 if why else int(nccl_peers.cupy_module().cuda.runtime.getDeviceCount())
     if why:
         why = f"no GPU: {why}"
+    run.gpus = gpus
     for n in args.world_sizes:
         if why:
             break
         if n > gpus:
-            run.note(f"world size {n}: unavailable: needs {n} GPUs, one per rank; {gpus} seen")
-            continue
+            run.note(
+                f"world size {n}: {n} ranks share {gpus} GPU(s), each a host of its own "
+                "(NCCL_HOSTID): NCCL moves the bytes over its sockets, so only the per-call "
+                "and check costs of these rows mean anything"
+            )
         try:
             run.world(n)
         except RankError as exc:
@@ -323,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     wrong = sum(r["wrong"] for r in run.records)
     if args.json:
         meta = {
-            "command": " ".join(
-                ["python -m benchmarks.nccl", *(sys.argv[1:] if argv is None else argv)]
-            ),
+            "command": " ".join(["python -m benchmarks.nccl", *argv]),
             "python": platform.python_version(),
             "machine": platform.platform(),
             "seconds": round(time.monotonic() - start, 1),

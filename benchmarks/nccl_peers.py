@@ -3,6 +3,8 @@
 - ``collective``: our public functions (``col.allreduce`` ...) on an ``NCCLGroup`` of
   cupy arrays, as a user calls them;
 - ``collective_torch``: the same functions and group on CUDA torch tensors;
+- ``collective_nocheck``: ``collective`` on a second group whose mismatch check is
+  off (``skip_agreement``), so the check's cost shows beside it in one run;
 - ``cupy_nccl``: raw ``cupy.cuda.nccl`` calls on one communicator (the floor we measure
   our overhead against);
 - ``torch_nccl``: torch.distributed's ProcessGroupNCCL, as most users know it.
@@ -17,6 +19,7 @@ float32, filled so that each op's result is exact, and checked on the GPU.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +27,7 @@ from typing import Any
 
 from benchmarks.nccl_ranks import RankContext
 from collective.groups.nccl.comm import cupy_module, encode_unique_id, unique_id_argument
+from collective.rendezvous.store import PrefixedRendezvousStore
 
 OPS = (
     "allreduce",
@@ -36,7 +40,7 @@ OPS = (
     "scatter",
     "sendrecv",
 )
-IMPLS = ("collective", "collective_torch", "cupy_nccl", "torch_nccl")
+IMPLS = ("collective", "collective_nocheck", "collective_torch", "cupy_nccl", "torch_nccl")
 RAW = "cupy_nccl"
 """The implementation every other is compared with."""
 ROOT = 0
@@ -83,6 +87,8 @@ class _Rank:
     cupy: Any
     torch: Any = None
     group: Any = None
+    unchecked: Any = None
+    """Our second group, whose mismatch check is off."""
     comm: Any = None
     unavailable: dict[str, str] = field(default_factory=dict)
 
@@ -105,10 +111,23 @@ def setup(context: RankContext, group_name: str) -> dict[str, str]:
 
     cupy = cupy_module()
     rank, n = context.rank, context.world_size
-    cupy.cuda.Device(rank).use()
+    gpus = int(cupy.cuda.runtime.getDeviceCount())
+    if gpus < n:
+        # Ranks share the GPUs: NCCL takes two ranks on one GPU only as two hosts, over
+        # its sockets (right, and slow; the rows say so).
+        os.environ.setdefault("NCCL_HOSTID", f"bench-rank-{rank}")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    device = rank % gpus
+    cupy.cuda.Device(device).use()
     state = _Rank(context, cupy)
     state.group = NCCLGroup(n, rank, group_name, context.store, TIMEOUT)
     held.create_group(group_name, lambda: (state.group, context.store))
+    unchecked = f"{group_name}-nocheck"
+    state.unchecked = NCCLGroup(
+        n, rank, unchecked, PrefixedRendezvousStore(context.store, "nocheck/"), TIMEOUT
+    )
+    state.unchecked.skip_agreement()
+    held.create_group(unchecked, lambda: (state.unchecked, context.store))
     nccl = cupy.cuda.nccl
     key = f"{group_name}/raw-unique-id"
     if rank == 0:
@@ -129,14 +148,14 @@ def setup(context: RankContext, group_name: str) -> dict[str, str]:
             state.unavailable["torch_nccl"] = "this torch build has no NCCL"
         else:
             state.torch = torch
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(device)
             dist.init_process_group(
                 "nccl",
                 store=dist.PrefixStore(f"{group_name}/torch/", context.c10d_store),
                 rank=rank,
                 world_size=n,
                 timeout=TIMEOUT,
-                device_id=torch.device("cuda", rank),
+                device_id=torch.device("cuda", device),
             )
     _STATE[:] = [state]
     return state.unavailable
@@ -146,7 +165,7 @@ def describe(context: RankContext) -> dict[str, str]:
     """Return the versions and the GPU this rank runs on."""
     state = rank_state()
     cupy = state.cupy
-    properties = cupy.cuda.runtime.getDeviceProperties(context.rank)
+    properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = properties["name"]
     info = {
         "gpu": name.decode() if isinstance(name, bytes) else str(name),
@@ -169,6 +188,7 @@ def teardown(context: RankContext) -> None:
 
     state = rank_state()
     col.destroy_collective_group(state.group.group_name)
+    col.destroy_collective_group(state.unchecked.group_name)
     state.comm.destroy()
     if "torch_nccl" not in state.unavailable:
         import torch.distributed as dist
@@ -262,11 +282,16 @@ def sync() -> None:
 # --- one op of each implementation ------------------------------------------------------------
 
 
-def _ours(op: str, b: Buffers) -> Callable[[], Any]:
+def _unchecked(op: str, b: Buffers) -> Callable[[], Any]:
+    return _ours(op, b, checked=False)
+
+
+def _ours(op: str, b: Buffers, checked: bool = True) -> Callable[[], Any]:
     import collective as col
 
     state = rank_state()
-    name, rank = state.group.group_name, state.context.rank
+    group = state.group if checked else state.unchecked
+    name, rank = group.group_name, state.context.rank
     root = rank == ROOT
     calls: dict[str, Callable[[], Any]] = {
         "allreduce": lambda: col.allreduce(b.x, name),
@@ -351,8 +376,18 @@ def _torch(op: str, b: Buffers) -> Callable[[], Any]:
     return lambda: dist.recv(b.out, rank - 1)
 
 
-_LIBRARY = {"collective": "cupy", "collective_torch": "torch", "cupy_nccl": "cupy"}
-_CALLS = {"collective": _ours, "collective_torch": _ours, "cupy_nccl": _raw}
+_LIBRARY = {
+    "collective": "cupy",
+    "collective_nocheck": "cupy",
+    "collective_torch": "torch",
+    "cupy_nccl": "cupy",
+}
+_CALLS = {
+    "collective": _ours,
+    "collective_nocheck": _unchecked,
+    "collective_torch": _ours,
+    "cupy_nccl": _raw,
+}
 
 
 def op_call(impl: str, op: str, b: Buffers) -> Callable[[], Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from tests.conftest import (
     allreduce_until_failure,
     run_all,
     unique_name,
+    wait_for_files,
 )
 
 GROUP_TIMEOUT = timedelta(seconds=10)
@@ -162,13 +164,18 @@ def test_a_rank_off_the_leaders_that_disagrees_is_an_error_on_every_rank(
     assert all("rank 3 called" in e or "rank 2 called" in e for e in odd_node), odd_node
 
 
-def test_a_death_on_one_node_reaches_every_rank_on_the_other_at_once(actors: list[Any]) -> None:
+def test_a_death_on_one_node_reaches_every_rank_on_the_other_at_once(
+    actors: list[Any], tmp_path: Path
+) -> None:
     name = unique_name("death")
     extra = Member.options(resources={"node_b": 1}).remote()
     ranks = [*actors[:3], extra]
     assert run_all(ranks, _init, range(4), [name] * 4) == ["hierarchical"] * 4
-    refs = [a.run.remote(allreduce_until_failure, name) for a in ranks]
-    time.sleep(2.0)
+    started = [str(tmp_path / f"rank{r}") for r in range(4)]
+    refs = [
+        a.run.remote(allreduce_until_failure, name, s) for a, s in zip(ranks, started, strict=True)
+    ]
+    wait_for_files(started)
     killed_at = time.time()
     ray.kill(extra)
     outcomes = ray.get(refs[:3], timeout=RAY_TIMEOUT_S)
@@ -224,8 +231,8 @@ def test_a_random_mixed_program_matches_numpy_across_nodes(
     mixed_program.check(mixed_program.make(seed, 4), results, 4)
 
 
-def _until_failure_then_shrink(name: str) -> tuple[str, int, int, str, float]:
-    _, kind, _ = allreduce_until_failure(name)
+def _until_failure_then_shrink(name: str, started: str) -> tuple[str, int, int, str, float]:
+    _, kind, _ = allreduce_until_failure(name, started)
     rank = col.shrink_group(name, timeout=GROUP_TIMEOUT)
     x = np.full(8, float(rank + 1))
     col.allreduce(x, name)
@@ -233,15 +240,21 @@ def _until_failure_then_shrink(name: str) -> tuple[str, int, int, str, float]:
     return kind, rank, col.get_collective_group_size(name), transport, float(x[0])
 
 
-def test_survivors_on_two_nodes_shrink_after_a_leader_dies(actors: list[Any]) -> None:
+def test_survivors_on_two_nodes_shrink_after_a_leader_dies(
+    actors: list[Any], tmp_path: Path
+) -> None:
     """Node b's leader dies mid-op; the three survivors shrink and run hierarchically."""
     name = unique_name("shrink")
     extra = Member.options(resources={"node_b": 1}).remote()
     ranks = [actors[0], actors[1], extra, actors[3]]
     assert run_all(ranks, _init, range(4), [name] * 4) == ["hierarchical"] * 4
     survivors = [actors[0], actors[1], actors[3]]
-    refs = [a.run.remote(_until_failure_then_shrink, name) for a in survivors]
-    time.sleep(2.0)
+    started = [str(tmp_path / f"survivor{i}") for i in range(3)]
+    refs = [
+        a.run.remote(_until_failure_then_shrink, name, s)
+        for a, s in zip(survivors, started, strict=True)
+    ]
+    wait_for_files(started)
     ray.kill(extra)
     results = ray.get(refs, timeout=RAY_TIMEOUT_S)
     assert results == [("CollectiveError", r, 3, "hierarchical", 6.0) for r in range(3)], results

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from tests.conftest import (
     live_groups,
     run_all,
     unique_name,
+    wait_for_files,
 )
 
 GROUP_TIMEOUT = timedelta(seconds=20)
@@ -158,7 +160,9 @@ def test_bulk_calls_run_across_two_nodes(cluster: tuple[Cluster, Any]) -> None:
     assert results == [{"state": [5.0], "grads": [10]}] * 4
 
 
-def test_group_spans_two_nodes_and_survives_losing_one(cluster: tuple[Cluster, Any]) -> None:
+def test_group_spans_two_nodes_and_survives_losing_one(
+    cluster: tuple[Cluster, Any], tmp_path: Path
+) -> None:
     two, second = cluster
     actors = _members("node_a", 2) + _members("node_b", 2)
     name = unique_name("span")
@@ -166,8 +170,12 @@ def test_group_spans_two_nodes_and_survives_losing_one(cluster: tuple[Cluster, A
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
     assert run_all(actors, _allreduce, range(4), [name] * 4) == [10.0] * 4
 
-    refs = [a.run.remote(allreduce_until_failure, name) for a in actors[:2]]
-    time.sleep(2.0)
+    started = [str(tmp_path / f"rank{r}") for r in range(2)]
+    refs = [
+        a.run.remote(allreduce_until_failure, name, s)
+        for a, s in zip(actors[:2], started, strict=True)
+    ]
+    wait_for_files(started)
     removed_at = time.time()
     two.remove_node(second)
     outcomes = ray.get(refs, timeout=RAY_TIMEOUT_S)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from tests.conftest import (
     live_groups,
     run_all,
     unique_name,
+    wait_for_files,
 )
 
 TIMEOUT = timedelta(seconds=10)
@@ -97,8 +99,8 @@ def test_survivors_of_a_death_while_idle_shrink_and_keep_the_old_order(
     assert run_all(survivors, _destroy, [name] * 3) == [False] * 3
 
 
-def _until_failure_then_shrink(name: str) -> tuple[str, int, float, float]:
-    failed_at, kind, _ = allreduce_until_failure(name)
+def _until_failure_then_shrink(name: str, started: str) -> tuple[str, int, float, float]:
+    failed_at, kind, _ = allreduce_until_failure(name, started)
     rank = col.shrink_group(name, timeout=TIMEOUT)
     shrunk_at = time.time()
     x = np.ones(8)
@@ -108,7 +110,7 @@ def _until_failure_then_shrink(name: str) -> tuple[str, int, float, float]:
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_survivors_of_a_death_mid_op_shrink_within_half_a_second(
-    fresh: Any, no_leaks: None, transport: str
+    fresh: Any, no_leaks: None, transport: str, tmp_path: Path
 ) -> None:
     actors = fresh(4)
     name = unique_name("midop")
@@ -119,8 +121,12 @@ def test_survivors_of_a_death_mid_op_shrink_within_half_a_second(
 
     ray.get([a.run.remote(init, r) for r, a in enumerate(actors)], timeout=RAY_TIMEOUT_S)
     survivors = [actors[0], actors[1], actors[3]]
-    refs = [a.run.remote(_until_failure_then_shrink, name) for a in survivors]
-    time.sleep(1.0)
+    started = [str(tmp_path / f"survivor{i}") for i in range(3)]
+    refs = [
+        a.run.remote(_until_failure_then_shrink, name, s)
+        for a, s in zip(survivors, started, strict=True)
+    ]
+    wait_for_files(started)
     ray.kill(actors[2])
     results = ray.get(refs, timeout=RAY_TIMEOUT_S)
     assert [r[1] for r in results] == [0, 1, 2], results
@@ -354,7 +360,11 @@ def test_a_newcomer_that_comes_before_the_grow_waits_for_it(fresh: Any, no_leaks
     name = unique_name("early")
     _group(actors[:2], name)
     early = actors[2].run.remote(_init, 3, 2, name)
-    time.sleep(1.0)
+    store = ray.get_actor(STORE_ACTOR_NAME)
+    deadline = time.monotonic() + RAY_TIMEOUT_S
+    while ray.get(store.waiting.remote(name), timeout=RAY_TIMEOUT_S) != [2]:
+        assert time.monotonic() < deadline, "the newcomer never came to wait"
+        time.sleep(0.05)
     refs = [a.run.remote(_grow, name, 3) for a in actors[:2]]
     assert ray.get([*refs, early], timeout=RAY_TIMEOUT_S) == [(0, 3), (1, 3), 2]
     assert run_all(actors, _allreduce, [name] * 3, [1.0] * 3) == [(r, 3, 3.0) for r in range(3)]
@@ -407,12 +417,12 @@ def test_a_newcomer_without_a_grow_is_told_to_have_the_members_grow(
 
 def _die_once_joined(world_size: int, rank: int, name: str) -> None:
     """Join ``name`` as a newcomer, and let this process die right after the store took it."""
-    from collective.registry import build
+    from collective.registry import backends
 
     def exit_now(*args: Any, **kwargs: Any) -> None:
         os._exit(1)
 
-    build.constructor = lambda cls: exit_now  # type: ignore[assignment, return-value]
+    backends.builder = lambda name: exit_now  # type: ignore[assignment, return-value]
     col.init_collective_group(world_size, rank, "gloo", name, timeout=TIMEOUT)
 
 

@@ -35,6 +35,12 @@ MUST_PRINT = {
         "weights within 0.05 of the truth: True",
     ],
     "multigpu.py": ["every GPU holds what it should: True"],
+    "nccl_allreduce.py": ["every rank holds the sum: True"],
+    "gpu_weight_sync.py": ["every rollout holds the trainer's weights after each step: True"],
+    "colocated_weight_sync.py": [
+        "transport of each rank: ['shared_gpu', 'shared_gpu', 'shared_gpu', 'shared_gpu']",
+        "every rollout holds the trainer's weights after each step: True",
+    ],
     "rdt_weight_sync.py": ["every rollout holds the trainer's weights after each step: True"],
 }
 """Lines each example prints when its checks pass, beyond its exit status."""

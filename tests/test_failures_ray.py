@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from tests.conftest import (
     live_groups,
     run_all,
     unique_name,
+    wait_for_files,
 )
 
 GROUP_TIMEOUT = timedelta(seconds=20)
@@ -69,12 +71,17 @@ def _timed_op(name: str) -> tuple[float, str, str]:
     return time.monotonic() - start, "", ""
 
 
-def test_killed_member_breaks_the_group_fast_and_it_can_be_rebuilt(ray_cluster: None) -> None:
+def test_killed_member_breaks_the_group_fast_and_it_can_be_rebuilt(
+    ray_cluster: None, tmp_path: Path
+) -> None:
     actors, name = _fresh_members(4), unique_name("killed")
     assert run_all(actors, _init, [4] * 4, range(4), [name] * 4) == [0, 1, 2, 3]
     survivors, victim = actors[:3], actors[3]
-    refs = [a.run.remote(allreduce_until_failure, name) for a in actors]
-    time.sleep(2.0)
+    started = [str(tmp_path / f"rank{r}") for r in range(4)]
+    refs = [
+        a.run.remote(allreduce_until_failure, name, s) for a, s in zip(actors, started, strict=True)
+    ]
+    wait_for_files(started)
     killed_at = time.time()
     ray.kill(victim, no_restart=True)
     outcomes = ray.get(refs[:3], timeout=RAY_TIMEOUT_S)

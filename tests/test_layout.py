@@ -37,22 +37,28 @@ ROOMS: dict[str, set[str]] = {
     "groups.shm": BASE | {"frameworks", "signature"},
     "groups.gloo": BASE | {"work", "frameworks", "signature", "rendezvous", "groups"},
     "groups.nccl": BASE | {"work", "frameworks", "signature", "rendezvous", "groups"},
+    "groups.shared_gpu": BASE
+    | {"work", "frameworks", "signature", "rendezvous", "groups", "groups.shm"},
+    "groups.gpu": BASE
+    | {"work", "frameworks", "rendezvous", "groups", "groups.nccl", "groups.shared_gpu"},
     "groups.cpu": BASE
     | {"work", "frameworks", "signature", "rendezvous", "groups", "groups.shm", "groups.gloo"},
     "checks": BASE | {"work", "frameworks", "signature", "groups"},
     "registry": BASE
     | {"work", "frameworks", "rendezvous", "groups", "groups.cpu", "groups.gloo", "groups.nccl"}
+    | {"groups.gpu"}
     | {"checks"},
     "ops": BASE | {"work", "frameworks", "groups", "checks", "registry"},
     "bulk": BASE | {"work", "frameworks", "signature", "groups", "checks", "registry"},
     "ray_plugins": BASE
-    | {"work", "frameworks", "groups", "groups.shm", "checks", "registry"}
+    | {"work", "frameworks", "groups", "groups.shm", "groups.shared_gpu", "checks", "registry"}
     | {"ops"},
 }
 """Every room of the package (a top-level module, a folder, or one transport in ``groups/``)
 and the rooms it may import: imports point down, and never across transports (the CPU
-group is the one place that knows both CPU transports). ``collective`` itself, the
-public surface, may import every room."""
+group is the one place that knows both CPU transports), except that the shared-GPU
+transport is built on shared memory's step protocol, which runs its host side.
+``collective`` itself, the public surface, may import every room."""
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from tests.conftest import (
     live_groups,
     run_all,
     unique_name,
+    wait_for_files,
 )
 
 CYCLES = 100
@@ -116,7 +118,7 @@ def _destroy_and_report(name: str) -> dict[str, Any]:
 
 
 def test_a_killed_member_leaves_no_segment_and_the_survivors_no_files(
-    ray_cluster: None, no_leaks: None
+    ray_cluster: None, no_leaks: None, tmp_path: Path
 ) -> None:
     actors = [Member.remote() for _ in range(3)]
     name = unique_name("killed")
@@ -132,8 +134,12 @@ def test_a_killed_member_leaves_no_segment_and_the_survivors_no_files(
     before = run_all(survivors, _usage)
     run_all(trio, _init_and_report, [3] * 3, range(3), [name] * 3)
     assert _segments() == segments  # unlinked as soon as every rank mapped it
-    refs = [a.run.remote(allreduce_until_failure, name) for a in survivors]
-    time.sleep(1.0)
+    started = [str(tmp_path / f"rank{r}") for r in range(2)]
+    refs = [
+        a.run.remote(allreduce_until_failure, name, s)
+        for a, s in zip(survivors, started, strict=True)
+    ]
+    wait_for_files(started)
     ray.kill(victim)
     outcomes = ray.get(refs, timeout=120)
     assert all(kind == "CollectiveError" for _, kind, _ in outcomes), outcomes

@@ -1,7 +1,7 @@
 """Ray's own ``ray.util.collective`` API runs on this library after ``register_ray_backend``.
 
-One local cluster for the module; the actors register the backend themselves, as
-Ray's docs show. Every op of Ray's API runs in 4 actors, on groups made with Ray's
+One Ray job on the local cluster for the module; the actors register the backend
+themselves, as Ray's docs show. Every op of Ray's API runs in 4 actors, on groups made with Ray's
 ``init_collective_group`` in the actors, with Ray's ``create_collective_group`` from
 the driver, and with ``ray.experimental.collective.create_collective_group``; every
 rank's result is checked; the ``gloo_timeout`` given to Ray bounds the group's waits.
@@ -23,7 +23,14 @@ import torch
 
 import collective as col
 from collective.ray_plugins.backend import TIMEOUT_ENV, RayGroup, gloo_timeout
-from tests.conftest import RAY_TIMEOUT_S, Member, live_groups, run_all, unique_name
+from tests.conftest import (
+    RAY_TIMEOUT_S,
+    Member,
+    SharedCluster,
+    live_groups,
+    run_all,
+    unique_name,
+)
 from tests.ray_api_ops import WORLD, check_every_op, every_op
 
 BACKEND: Any = "collective"
@@ -31,14 +38,14 @@ BACKEND: Any = "collective"
 
 
 @pytest.fixture(scope="module")
-def actors() -> Iterator[list[Any]]:
-    """Start a local cluster with four member actors that registered the backend."""
-    ray.init(address="local", num_cpus=2, namespace="ray-backend", include_dashboard=False)
+def actors(shared_cluster: SharedCluster) -> Iterator[list[Any]]:
+    """Join the local cluster with four member actors that registered the backend."""
+    shared_cluster.connect(namespace="ray-backend")
     col.register_ray_backend()
     members = [Member.remote() for _ in range(WORLD)]
     run_all(members, col.register_ray_backend)
     yield members
-    ray.shutdown()
+    shared_cluster.disconnect()
 
 
 def _init_and_run(rank: int, name: str) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Ray Direct Transport over this library: tensors a method returns reach other actors directly.
 
-One local cluster for the module, started with ``collective.ray_plugins.runtime_env()``
-so that every worker registers the backend and the transport as it starts: the
-driver is the only code that changes. Each test checks every receiver's tensors
-bit for bit.
+One Ray job on the local cluster for the module, started with
+``collective.ray_plugins.runtime_env()`` so that every worker registers the backend
+and the transport as it starts: the driver is the only code that changes. Each test
+checks every receiver's tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ray.experimental.collective import (
 import collective as col
 from collective.ray_plugins import wire
 from collective.ray_plugins.hook import runtime_env
-from tests.conftest import RAY_TIMEOUT_S, live_groups, settle_rdt
+from tests.conftest import RAY_TIMEOUT_S, SharedCluster, live_groups
 
 TRANSPORT = "COLLECTIVE"
 col.register_tensor_transport(TRANSPORT)  # before the classes that name it, as Ray asks
@@ -85,19 +85,12 @@ Rollout: Any = actor_class(num_cpus=0, enable_tensor_transport=True)(_Rollout)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    """Start a local cluster whose workers register the plug-ins; register them here too."""
-    ray.init(
-        address="local",
-        num_cpus=2,
-        namespace="rdt",
-        include_dashboard=False,
-        runtime_env=runtime_env(),
-    )
+def cluster(shared_cluster: SharedCluster) -> Iterator[None]:
+    """Join the local cluster as a job whose workers register the plug-ins; register them here."""
+    shared_cluster.connect(namespace="rdt", runtime_env=runtime_env())
     col.register_tensor_transport()
     yield
-    settle_rdt()
-    ray.shutdown()
+    shared_cluster.disconnect()  # settles RDT first
 
 
 @pytest.fixture(scope="module")

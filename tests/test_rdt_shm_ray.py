@@ -1,6 +1,6 @@
 """The one-sided shared-memory transport: consumers on one node map the producer's file.
 
-One local cluster for the module. The driver registers the transport before the
+One Ray job on the local cluster for the module. The driver registers the transport before the
 classes that name it, and nothing else: no collective group is made. Each test
 checks every consumer's tensors bit for bit; failures kill real actors; /dev/shm
 and the consumers' mappings are checked flat after the objects are dropped.
@@ -20,7 +20,7 @@ import torch
 from ray.experimental import set_target_for_ref
 
 import collective as col
-from tests.conftest import RAY_TIMEOUT_S, settle_rdt
+from tests.conftest import RAY_TIMEOUT_S, SharedCluster
 
 SHM = "COLLECTIVE_SHM"
 col.register_shm_transport()  # before the classes that name it, as Ray asks
@@ -115,15 +115,14 @@ Consumer: Any = actor_class(num_cpus=0, enable_tensor_transport=True)(_Consumer)
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[tuple[Any, list[Any], int]]:
-    """Start a local cluster; return a producer, three consumers and the producer's pid."""
-    ray.init(address="local", num_cpus=2, namespace="rdt-shm", include_dashboard=False)
+def pool(shared_cluster: SharedCluster) -> Iterator[tuple[Any, list[Any], int]]:
+    """Join the local cluster; return a producer, three consumers and the producer's pid."""
+    shared_cluster.connect(namespace="rdt-shm")
     producer, consumers = Producer.remote(), [Consumer.remote() for _ in range(3)]
     pid = ray.get(producer.run.remote(lambda: __import__("os").getpid()), timeout=RAY_TIMEOUT_S)
     ray.get([c.run.remote(mappings) for c in consumers], timeout=RAY_TIMEOUT_S)
     yield producer, consumers, pid
-    settle_rdt()
-    ray.shutdown()
+    shared_cluster.disconnect()  # settles RDT first
 
 
 def flat(pid: int, consumers: list[Any]) -> tuple[list[str], list[int]]:

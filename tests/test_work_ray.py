@@ -8,9 +8,11 @@ without blocking its event loop.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -143,12 +145,18 @@ def test_every_async_op_turns_completed_when_polled(members: list) -> None:
         assert res["alltoall", "value"] == [10.0 * j + rank for j in range(n)]
 
 
-def _failing(rank: int, name: str, op: str) -> tuple[bool, str | None, float]:
-    """On rank 0, poll an op that rank 1 never joins; return whether it ended, its error, when."""
+def _failing(rank: int, name: str, op: str, polled: str) -> tuple[bool, str | None, float]:
+    """On rank 0, poll an op that rank 1 never joins; return whether it ended, its error, when.
+
+    Rank 1 stays in the group, without calling, until rank 0 has created the file
+    ``polled`` after its poll (or the poll's limit and more have passed).
+    """
     col.init_collective_group(2, rank, backend="gloo", group_name=name)
     try:
         if rank == 1:
-            time.sleep(3.0)
+            deadline = time.monotonic() + POLL_LIMIT_S + 10.0
+            while not os.path.exists(polled) and time.monotonic() < deadline:
+                time.sleep(0.01)
             return True, None, 0.0
         short = timedelta(seconds=1)
         x = np.ones(4) if op != "send" else np.ones(EAGER_LIMIT_BYTES // 8 + 1)
@@ -162,15 +170,19 @@ def _failing(rank: int, name: str, op: str) -> tuple[bool, str | None, float]:
         else:
             work = col.recv(x, 1, name, timeout=short, async_op=True)
         done, error = _poll(work)
-        return done, error, time.monotonic() - start
+        elapsed = time.monotonic() - start
+        open(polled, "w").close()
+        return done, error, elapsed
     finally:
         col.destroy_collective_group(name)
 
 
 @pytest.mark.parametrize("op", ["allreduce", "reducescatter", "send", "recv"])
-def test_a_failed_async_op_turns_completed_and_reports_its_error(members: list, op: str) -> None:
-    name = unique_name(f"fail-{op}")
-    done, error, elapsed = run_all(members[:2], _failing, [0, 1], [name] * 2, [op] * 2)[0]
+def test_a_failed_async_op_turns_completed_and_reports_its_error(
+    members: list, op: str, tmp_path: Path
+) -> None:
+    name, polled = unique_name(f"fail-{op}"), [str(tmp_path / "polled")] * 2
+    done, error, elapsed = run_all(members[:2], _failing, [0, 1], [name] * 2, [op] * 2, polled)[0]
     print(f"\nfailed async {op} (1 s timeout) turned completed after {elapsed:.2f} s")
     assert done, f"polling the failed {op} never ended"
     assert error is not None and error.startswith("CollectiveTimeoutError"), error

@@ -281,7 +281,9 @@ def _moves(
             return Moves(group, [], held, reads, writes, like, timeout, root, whole=mine.runs)
         xs = ordered()
         whole = [
-            x if x is not None else packing.empty(layout.dtypes[i], layout.shapes[i], "cpu")
+            x
+            if x is not None
+            else packing.empty(layout.dtypes[i], layout.shapes[i], group.device_type)
             for i, x in enumerate(xs)
         ]
         if kept is None:

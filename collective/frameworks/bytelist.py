@@ -54,6 +54,16 @@ class ByteList(Sequence[np.ndarray]):
         sizes = np.fromiter(map(len, datas), np.int64, count)
         return cls(tuple(datas), addresses, sizes)
 
+    @classmethod
+    def at(cls, addresses: Sequence[int], sizes: Sequence[int]) -> ByteList:
+        """Return the list of the memory at ``addresses``, of ``sizes`` bytes each, with no views.
+
+        For memory this process cannot view as numpy arrays (a GPU's): it has
+        ``nbytes`` and ``cut``, and is empty as a sequence.
+        """
+        count = len(addresses)
+        return cls((), np.fromiter(addresses, np.int64, count), np.fromiter(sizes, np.int64, count))
+
     @property
     def nbytes(self) -> int:
         """Return the bytes of the whole message."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,28 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
     if not contiguous:
         raise ArgumentValueError(contiguous_message(x, name, "for NCCL"))
     return CudaBuffer(int(ptr), count, dtype, int(device), int(itemsize))
+
+
+def contiguous_copy(x: Any) -> tuple[Any, Callable[[], None]]:
+    """Return a contiguous copy of GPU buffer ``x`` and a function that writes it back into ``x``.
+
+    Both copies run on the caller's current stream. A torch tensor with its negative
+    bit set is copied resolved, and written back through torch, which negates.
+    """
+    if is_torch(x):
+        copy = x.resolve_neg().contiguous()
+    else:
+        import cupy
+
+        copy = cupy.ascontiguousarray(x)
+
+    def back() -> None:
+        if is_torch(x):
+            x.copy_(copy)
+        else:
+            x[...] = copy
+
+    return copy, back
 
 
 def current_stream(x: Any) -> int:

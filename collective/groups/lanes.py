@@ -185,3 +185,57 @@ class Lane:
         worker, self._worker = self._worker, None
         if worker is not None and worker is not threading.current_thread():
             worker.join(_JOIN_S)
+
+
+class Lanes:
+    """A group's lanes by name, each started on first use."""
+
+    def __init__(self, group_name: str) -> None:
+        """Name the lanes' worker threads after ``group_name``."""
+        self._prefix = f"collective-{group_name}-"
+        self._lanes: dict[str, Lane] = {}
+
+    def get(self, name: str) -> Lane:
+        """Return the lane ``name``, made on first use."""
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes.setdefault(name, Lane(self._prefix + name))
+        return lane
+
+    def run(
+        self,
+        name: str,
+        run: Callable[[], None],
+        expired: Callable[[timedelta], BaseException],
+        async_op: bool,
+    ) -> Work | None:
+        """Run ``run`` as an op on lane ``name``: inline when it is blocking and the lane idle.
+
+        Returns the op's ``Task`` when ``async_op``, else None once the op has run
+        (in this thread, or on the lane's thread behind the ops queued before it).
+        ``expired(timeout)`` makes the error of a ``wait`` on the task that runs out.
+        """
+        lane = self.get(name)
+        if not async_op and lane.enter():
+            try:
+                run()
+            finally:
+                lane.leave()
+            return None
+        task = Task(run, expired)
+        lane.submit(task, async_op)
+        if async_op:
+            return task
+        task.wait()
+        return None
+
+    def active(self) -> bool:
+        """Return whether an op runs, or waits to, on any lane."""
+        return any(lane.active() for lane in list(self._lanes.values()))
+
+    def stop(self, error: CollectiveError) -> list[Lane]:
+        """Stop every lane with ``error`` (see ``Lane.stop``), forget them, and return them."""
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.stop(error)
+        return lanes

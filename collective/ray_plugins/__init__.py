@@ -4,11 +4,15 @@
 ``BaseGroup`` that runs on ours); ``transport`` is the two-sided
 ``TensorTransportManager`` of Ray Direct Transport, which moves an object's tensors
 with ``wire``; ``shm_transport`` is the one-sided one, whose consumers map the
-shared-memory file that ``segment`` writes; ``register`` registers them in this
+shared-memory file that ``segment`` writes, or read it from another node through
+``remote_read``, and whose CUDA objects (``cuda_objects``) lie in one device buffer
+(``cuda_buffer``) that consumers on the GPU open through CUDA IPC (``cuda_gpus``);
+``register`` registers them in this
 process and ``hook`` in every worker of a job; ``names`` holds their names. It sits
 at the top, beside the public names: it imports ``collective.ops``,
 ``collective.registry``, ``collective.groups`` (and the arena helpers of
-``collective.groups.shm``), ``collective.checks``, ``collective.frameworks``,
+``collective.groups.shm``, the ``Device`` of ``collective.groups.shared_gpu``),
+``collective.checks``, ``collective.frameworks``,
 ``collective.types`` and ``collective.work``, and nothing imports it but
 ``collective``.
 """

@@ -59,8 +59,8 @@ def register_tensor_transport(name: str = DEFAULT_NAME) -> None:
     the driver before making the actors: Ray then registers the transport in the
     actors the driver makes. Each actor also needs the backend, as
     ``register_ray_backend`` says. Calling it again with the same name is a no-op.
-    For CPU tensors within one node, ``register_shm_transport`` needs no group and
-    serves every consumer at once.
+    Within one node (and one GPU, for CUDA tensors), ``register_shm_transport`` needs
+    no group and serves every consumer at once.
 
     Args:
         name: the transport's name, in any case; Ray keys it in upper case.
@@ -85,11 +85,14 @@ def register_shm_transport(name: str = SHM_NAME) -> None:
     ``ray.put(..., _tensor_transport=name)``) writes the CPU torch tensors it returns
     once into shared memory when it returns, and every consumer on the same node maps
     them: Ray runs no task on the producer, so all consumers read at once, and no
-    collective group is needed. ``ray.get`` of the reference in the driver works too.
-    A consumer on another node, or CUDA tensors, raise: use ``register_tensor_transport``
-    for those. Call it in the driver before making the actors; Ray registers the
-    transport in the actors the driver makes. Calling it again with the same name is
-    a no-op.
+    collective group is needed. A consumer on another node runs a task on the
+    producer's node that reads them there and returns their bytes through Ray's object
+    store. CUDA tensors (all of an object's on one GPU) are copied once into one
+    device buffer, which every consumer on that GPU reads through CUDA IPC; a consumer
+    on another GPU or node raises: use ``register_tensor_transport`` there.
+    ``ray.get`` of the reference in the driver works too. Call it in the driver before
+    making the actors; Ray registers the transport in the actors the driver makes.
+    Calling it again with the same name is a no-op.
 
     Args:
         name: the transport's name, in any case; Ray keys it in upper case.
@@ -103,7 +106,7 @@ def register_shm_transport(name: str = SHM_NAME) -> None:
     from collective.ray_plugins.shm_transport import ShmTransport
 
     _check_free(key, name)
-    _register(key, name, ShmTransport, ["cpu"])
+    _register(key, name, ShmTransport, ["cpu", "cuda"])
 
 
 def _check_free(key: str, name: str) -> None:

@@ -13,7 +13,10 @@ then only that page, in the reader alone. The mapping lives as long as any of th
 views; unlinking the file (``unlink``) only removes its name.
 
 Header words: the arenas' magic, ``KIND``, a digest of the object's id, the data
-bytes and the tensor count; a reader checks them all before it reads.
+bytes and the tensor count; a reader checks them all before it reads. A reader on
+another node gets the whole file's bytes (``collective.ray_plugins.remote_read``)
+and cuts the same views from them (``check``, ``views``). ``alive`` tells whether
+the producer that wrote a file still runs, by its pid and start time.
 """
 
 from __future__ import annotations
@@ -128,6 +131,17 @@ def read(path: str, obj_id: str, metas: Sequence[Meta], size: int) -> list[Any]:
         CollectiveError: the file is not the one of ``obj_id`` and ``metas``.
 
     """
+    return views(mapped(path, obj_id, metas, size), metas)
+
+
+def mapped(path: str, obj_id: str, metas: Sequence[Meta], size: int) -> Any:
+    """Map the file at ``path`` copy-on-write; return it as one checked ``uint8`` tensor.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path`` (any more).
+        CollectiveError: the file is not the one of ``obj_id`` and ``metas``.
+
+    """
     import torch
 
     fd = os.open(path, os.O_RDONLY)
@@ -143,15 +157,38 @@ def read(path: str, obj_id: str, metas: Sequence[Meta], size: int) -> list[Any]:
     finally:
         os.close(fd)
     base = torch.frombuffer(mapping, dtype=torch.uint8)
+    check(base, f"the shared-memory file {path}", obj_id, metas, size)
+    return base
+
+
+def check(base: Any, where: str, obj_id: str, metas: Sequence[Meta], size: int) -> None:
+    """Check that ``uint8`` tensor ``base`` is the whole file of ``obj_id``, ``metas``, ``size``.
+
+    Raises:
+        CollectiveError: ``base`` has another size, or holds another object.
+
+    """
+    import torch
+
+    if base.numel() != size:
+        raise CollectiveError(
+            f"{where} of object {obj_id} has {base.numel()} bytes, expected {size}"
+        )
     want = header(obj_id, metas, size)
     got = base[: want.nbytes].view(torch.int64).numpy()
     if not np.array_equal(got, want):
         raise CollectiveError(
-            f"the shared-memory file {path} holds another object than {obj_id}: header "
+            f"{where} holds another object than {obj_id}: header "
             f"{got.tolist()}, expected {want.tolist()}"
         )
-    places, sizes, _ = layout(metas)
-    typed: dict[Any, Any] = {}  # the whole mapping as each dtype, to cut views from
+
+
+def views(base: Any, metas: Sequence[Meta]) -> list[Any]:
+    """Return the tensors ``metas`` of a file held whole in ``uint8`` tensor ``base``, as views."""
+    import torch
+
+    places, sizes, size = layout(metas)
+    typed: dict[Any, Any] = {}  # the whole file as each dtype, to cut views from
     out = []
     for (shape, dtype), place, n in zip(metas, places, sizes, strict=True):
         if n == 0:
@@ -176,3 +213,31 @@ def _strides(shape: Sequence[int]) -> tuple[int, ...]:
 def unlink(path: str) -> None:
     """Remove the file's name: readers that mapped it keep their views; later ones fail to open."""
     arena.unlink(path)
+
+
+def gone(obj_id: str, pid: int, started: int) -> str:
+    """Return why the file of ``obj_id`` (producer ``pid``, ``started``) is gone: freed, or died."""
+    if alive(pid, started):
+        return (
+            f"object {obj_id} was freed: its producer (pid {pid}) unlinked its "
+            "shared memory when Ray garbage-collected it"
+        )
+    return f"the producer of object {obj_id} (pid {pid}) died; its tensors are lost"
+
+
+def started(pid: int) -> int | None:
+    """Return the start time of process ``pid`` in clock ticks, or None if it does not run."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):  # a zombie or a dead process: it died
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int, started_at: int) -> bool:
+    """Return whether process ``pid``, started at ``started_at`` (0: unknown), still runs."""
+    now = started(pid)
+    return now is not None and started_at in (0, now)

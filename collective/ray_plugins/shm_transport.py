@@ -5,10 +5,15 @@ its actor for the object's metadata: this transport then writes the CPU tensors 
 into a shared-memory file of the node (``segment``) and publishes the file's name
 with the producer's node and pid. Ray runs nothing on the producer for a transfer:
 each consumer's receive maps the file and returns views of it, every consumer at the
-same time, with no collective group. The file lives until Ray garbage-collects the
-object in the producer (``garbage_collect``), which unlinks it; a consumer that comes
-later, or on another node, or after the producer died, gets a ``CollectiveError``
-that says which.
+same time, with no collective group. A consumer on another node runs a Ray task
+pinned to the producer's node that reads the file there (``remote_read``); the
+bytes travel once through Ray's object store and the consumer cuts the same tensors
+from them. The file lives until Ray garbage-collects the object in the producer
+(``garbage_collect``), which unlinks it; a consumer that comes later, or after the
+producer died, gets a ``CollectiveError`` that says which, on any node.
+
+An object of CUDA tensors takes the same steps on the GPU (``cuda_objects``): one
+device buffer, shared by CUDA IPC with consumers on the producer's node and GPU.
 """
 
 from __future__ import annotations
@@ -16,18 +21,23 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.experimental.rdt.tensor_transport_manager import (
     CommunicatorMetadata,
+    FetchRequest,
     TensorTransportManager,
     TensorTransportMetadata,
 )
 
-from collective.ray_plugins import segment
-from collective.ray_plugins.names import DEFAULT_NAME, SHM_NAME
+from collective.ray_plugins import remote_read, segment
+from collective.ray_plugins.cuda_buffer import CudaIpcMetadata
+from collective.ray_plugins.cuda_gpus import Gpus, TorchGpus
+from collective.ray_plugins.cuda_objects import CudaObjects
+from collective.ray_plugins.names import SHM_NAME
 from collective.types import ArgumentTypeError, CollectiveError
 
 CHUNK_BYTES = 16 << 20
@@ -55,19 +65,43 @@ class ShmCommunicatorMetadata(CommunicatorMetadata):
     """Nothing: a consumer finds everything in the object's ``ShmMetadata``."""
 
 
-class ShmTransport(TensorTransportManager):
-    """A one-sided tensor transport for CPU tensors between processes of one node.
+@dataclass
+class RemoteFetch(FetchRequest):
+    """A read of an object's file started on its producer's node (``remote_read``).
 
-    The producer keeps, per object, the name of the file it wrote; consumers map
-    that file. ``abort_transport`` ends a copy into buffers that Ray gave to receive
-    into; a read without buffers maps the file and returns at once.
+    ``ref`` is the reading task's result; ``targets`` the buffers to copy into, if any.
     """
 
-    def __init__(self) -> None:
-        """Start with no object held and no read in flight."""
+    meta: ShmMetadata
+    ref: Any
+    targets: list[Any] | None = None
+
+
+@dataclass
+class _Read:
+    """One read in flight in this process: set ``aborted`` (and cancel ``ref``) to end it."""
+
+    aborted: threading.Event = field(default_factory=threading.Event)
+    ref: Any = None
+
+
+class ShmTransport(TensorTransportManager):
+    """A one-sided tensor transport for CPU tensors from any node to any node, CUDA ones on one GPU.
+
+    The producer keeps, per object, the name of the file it wrote; consumers on its
+    node map that file, consumers elsewhere read it through a task on its node. CUDA
+    objects go to ``CudaObjects``.
+    ``abort_transport`` ends a copy into buffers that Ray gave to receive into, and a
+    read from another node; a read on the node without buffers maps the file and
+    returns at once.
+    """
+
+    def __init__(self, gpus: Gpus | None = None) -> None:
+        """Start with no object held and no read in flight; CUDA tensors on ``gpus``' GPUs."""
+        self._cuda = CudaObjects(gpus or TorchGpus())
         self._lock = threading.Lock()
         self._held: dict[str, ShmMetadata] = {}
-        self._reads: dict[str, list[threading.Event]] = {}
+        self._reads: dict[str, list[_Read]] = {}
         atexit.register(self._unlink_all)
 
     def tensor_transport_backend(self) -> str:
@@ -81,7 +115,7 @@ class ShmTransport(TensorTransportManager):
 
     @staticmethod
     def can_abort_transport() -> bool:
-        """Return True: ``abort_transport`` ends a consumer's copy at its next chunk."""
+        """Return True: ``abort_transport`` ends a consumer's copy or cross-node read at once."""
         return True
 
     def actor_has_tensor_transport(self, actor: Any) -> bool:
@@ -89,25 +123,28 @@ class ShmTransport(TensorTransportManager):
         return True
 
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[Any]) -> Any:
-        """Write the object's tensors into a new shared-memory file; return where it lies.
+        """Write the object's tensors into a new shared-memory file (or GPU buffer); say where.
 
         A second call for the same object (Ray retried the task) returns the first
         call's metadata.
 
         Raises:
-            TypeError: a tensor is not a dense CPU tensor.
+            TypeError: the tensors are not all dense CPU tensors, nor all on one GPU.
             OSError: ``/dev/shm`` is full or not writable; no file is left.
 
         """
         import torch
 
+        on_gpu = [self._cuda.gpus.holds(t) for t in rdt_object]
+        if any(on_gpu) and all(on_gpu):
+            return self._cuda.publish(obj_id, rdt_object)
         metas = [(t.shape, t.dtype) for t in rdt_object]
-        for t in rdt_object:
-            if t.device.type != "cpu" or t.layout != torch.strided:
+        for t, gpu in zip(rdt_object, on_gpu, strict=True):
+            if gpu or t.device.type != "cpu" or t.layout != torch.strided:
                 raise ArgumentTypeError(
-                    f"tensor transport {SHM_NAME!r} moves dense CPU tensors, got a "
-                    f"{t.layout} tensor on {t.device}; CUDA tensors move with "
-                    f"tensor_transport={DEFAULT_NAME!r}"
+                    f"tensor transport {SHM_NAME!r} moves an object's tensors when they are "
+                    f"all dense CPU tensors or all CUDA ones, got a {t.layout} tensor on "
+                    f"{t.device} among tensors on {sorted({str(x.device) for x in rdt_object})}"
                 )
         with self._lock:
             held = self._held.get(obj_id)
@@ -119,7 +156,7 @@ class ShmTransport(TensorTransportManager):
         pid = os.getpid()
         meta = ShmMetadata(
             metas, "cpu", obj_id=obj_id, path=path, size=size, node_id=_node_id(), pid=pid,
-            started=_started(pid) or 0,
+            started=segment.started(pid) or 0,
         )  # fmt: skip
         with self._lock:
             self._held[obj_id] = meta
@@ -138,61 +175,134 @@ class ShmTransport(TensorTransportManager):
         communicator_metadata: Any,
         target_buffers: list[Any] | None = None,
     ) -> list[Any]:
-        """Map the object's file and return its tensors, or copy them into ``target_buffers``.
+        """Return the object's tensors, or copy them into ``target_buffers``.
+
+        On the producer's node this maps the file; on another node it reads the file
+        there (``remote_read``), waiting at most Ray's RDT fetch timeout
+        (``RAY_rdt_fetch_fail_timeout_milliseconds``). CUDA tensors are copied out of
+        the producer's GPU buffer (``CudaObjects.read``), on its node and GPU only.
 
         Returns:
-            Views of this process's copy-on-write mapping of the file (writes to them
-            stay in this process), or ``target_buffers`` written in place when given.
+            Tensors that this process may write (views of its copy-on-write mapping of
+            the file, or of its own copy of the bytes read on another node), or
+            ``target_buffers`` written in place when given.
 
         Raises:
-            CollectiveError: the producer is on another node, died, or freed the
-                object; or Ray aborted the copy into ``target_buffers``.
+            CollectiveError: the producer died or freed the object, or its node is
+                gone; or Ray aborted the read; or CUDA tensors lie on another node or GPU.
+            CollectiveTimeoutError: the bytes from another node did not come in time.
 
         """
+        request = self.fetch_multiple_tensors(
+            obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
+        )
+        return self.wait_fetch_complete(request, _fetch_timeout_s())
+
+    def fetch_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: Any,
+        communicator_metadata: Any,
+        target_buffers: list[Any] | None = None,
+    ) -> FetchRequest:
+        """Read the object on this node at once; start reading it on the producer's node else.
+
+        Returns:
+            A ``FetchRequest`` holding the tensors, or a ``RemoteFetch`` to wait for
+            with ``wait_fetch_complete``.
+
+        Raises:
+            CollectiveError: as ``recv_multiple_tensors`` says, on this node.
+
+        """
+        if isinstance(tensor_transport_metadata, CudaIpcMetadata):
+            got = self._cuda.read(tensor_transport_metadata, target_buffers, _fetch_timeout_s())
+            return FetchRequest(obj_id, got)
         meta = _checked(tensor_transport_metadata)
         if not meta.tensor_meta:
-            return target_buffers or []
-        here = _node_id()
-        if meta.node_id != here:
-            raise CollectiveError(
-                f"object {meta.obj_id} lies in shared memory on node {meta.node_id}, and "
-                f"this process runs on node {here}: tensor transport {SHM_NAME!r} moves "
-                f"tensors within a node; across nodes use tensor_transport={DEFAULT_NAME!r} "
-                "(two-sided, over a collective group of both actors)"
-            )
+            return FetchRequest(obj_id, target_buffers or [])
+        if meta.node_id != _node_id():
+            ref = remote_read.start(
+                meta.node_id, meta.path, meta.obj_id, meta.tensor_meta, meta.size, meta.pid,
+                meta.started,
+            )  # fmt: skip
+            return RemoteFetch(obj_id, [], meta, ref, target_buffers)
         try:
             views = segment.read(meta.path, meta.obj_id, meta.tensor_meta, meta.size)
         except FileNotFoundError:
             raise CollectiveError(_gone(meta)) from None
-        if not _alive(meta.pid, meta.started):
+        if not segment.alive(meta.pid, meta.started):
             segment.unlink(meta.path)
             raise CollectiveError(_gone(meta))
         if target_buffers is None:
-            return views
-        self._copy(obj_id, views, target_buffers)
-        return target_buffers
+            return FetchRequest(obj_id, views)
+        with self._reading(obj_id) as read:
+            self._copy(obj_id, read, views, target_buffers)
+        return FetchRequest(obj_id, target_buffers)
 
-    def _copy(self, obj_id: str, views: Sequence[Any], targets: Sequence[Any]) -> None:
-        """Copy ``views`` into ``targets`` by chunks, until done or ``abort_transport``."""
-        aborted = threading.Event()
+    def wait_fetch_complete(self, fetch_request: FetchRequest, timeout: float = -1) -> list[Any]:
+        """Return the tensors of ``fetch_request``, waiting up to ``timeout`` s for other nodes.
+
+        Args:
+            fetch_request: what ``fetch_multiple_tensors`` returned.
+            timeout: seconds to wait for a read on another node; a negative one means
+                Ray's RDT fetch timeout.
+
+        Raises:
+            CollectiveError: as ``recv_multiple_tensors`` says.
+            CollectiveTimeoutError: the read did not end within ``timeout``.
+
+        """
+        if not isinstance(fetch_request, RemoteFetch):
+            return fetch_request.tensors
+        timeout_s = timeout if timeout >= 0 else _fetch_timeout_s()
+        meta, targets = fetch_request.meta, fetch_request.targets
+        with self._reading(fetch_request.obj_id, fetch_request.ref) as read:
+            try:
+                payload = remote_read.fetch(
+                    fetch_request.ref, meta.obj_id, meta.node_id, timeout_s, SHM_NAME
+                )
+            except CollectiveError:
+                if read.aborted.is_set():
+                    raise CollectiveError(_aborted(fetch_request.obj_id)) from None
+                raise
+            base = remote_read.whole(  # with ``targets``, a view of ``payload``, kept here
+                payload, meta.obj_id, meta.tensor_meta, meta.size, private=targets is None
+            )
+            views = segment.views(base, meta.tensor_meta)
+            if targets is None:
+                if read.aborted.is_set():
+                    raise CollectiveError(_aborted(fetch_request.obj_id))
+                return views
+            self._copy(fetch_request.obj_id, read, views, targets)
+        return targets
+
+    @contextmanager
+    def _reading(self, obj_id: str, ref: Any = None) -> Iterator[_Read]:
+        """Hold a read of ``obj_id`` (through the task ``ref``, if any) that abort can end."""
+        read = _Read(ref=ref)
         with self._lock:
-            self._reads.setdefault(obj_id, []).append(aborted)
+            self._reads.setdefault(obj_id, []).append(read)
         try:
-            for target, view in zip(targets, views, strict=True):
-                if not view.numel():
-                    continue
-                flat_target, flat_view = target.view(-1), view.reshape(-1)
-                step = max(1, CHUNK_BYTES // view.element_size())
-                for start in range(0, view.numel(), step):
-                    if aborted.is_set():
-                        raise CollectiveError(f"Ray aborted the read of object {obj_id}")
-                    flat_target[start : start + step].copy_(flat_view[start : start + step])
+            yield read
         finally:
             with self._lock:
                 reads = self._reads[obj_id]
-                reads.remove(aborted)
+                reads.remove(read)
                 if not reads:
                     del self._reads[obj_id]
+
+    def _copy(self, obj_id: str, read: _Read, views: Sequence[Any], targets: Sequence[Any]) -> None:
+        """Copy ``views`` into ``targets`` by chunks, until done or ``read`` is aborted."""
+        for target, view in zip(targets, views, strict=True):
+            if not view.numel():
+                continue
+            flat_target, flat_view = target.view(-1), view.reshape(-1)
+            step = max(1, CHUNK_BYTES // view.element_size())
+            for start in range(0, view.numel(), step):
+                if read.aborted.is_set():
+                    raise CollectiveError(_aborted(obj_id))
+                flat_target[start : start + step].copy_(flat_view[start : start + step])
 
     def send_multiple_tensors(
         self, tensors: list[Any], tensor_transport_metadata: Any, communicator_metadata: Any
@@ -201,17 +311,29 @@ class ShmTransport(TensorTransportManager):
         raise NotImplementedError(f"tensor transport {SHM_NAME!r} is one-sided: it never sends")
 
     def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
-        """Unlink the object's file: consumers that mapped it keep their views, later ones fail."""
+        """Unlink the object's file, or free its GPU buffer: consumers that read it keep theirs."""
+        self._cuda.free(obj_id)
         with self._lock:
             held = self._held.pop(obj_id, None)
         if held is not None:
             segment.unlink(held.path)
 
     def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
-        """End this process's copies of the object in flight; each raises ``CollectiveError``."""
+        """End this process's reads of the object in flight; each raises ``CollectiveError``.
+
+        A copy into buffers stops at its next chunk; a read on another node is
+        cancelled, and its wait ends at once.
+        """
+        import ray
+
+        self._cuda.abort(obj_id)
         with self._lock:
-            for aborted in self._reads.get(obj_id, []):
-                aborted.set()
+            reads = list(self._reads.get(obj_id, []))
+        for read in reads:
+            read.aborted.set()
+        for read in reads:
+            if read.ref is not None:
+                ray.cancel(read.ref)
 
     def _unlink_all(self) -> None:
         """Unlink every file this process still holds, as it exits."""
@@ -229,12 +351,19 @@ def _checked(meta: Any) -> ShmMetadata:
 
 def _gone(meta: ShmMetadata) -> str:
     """Return why the file of ``meta`` cannot be read: its producer died, or freed it."""
-    if _alive(meta.pid, meta.started):
-        return (
-            f"object {meta.obj_id} was freed: its producer (pid {meta.pid}) unlinked its "
-            "shared memory when Ray garbage-collected it"
-        )
-    return f"the producer of object {meta.obj_id} (pid {meta.pid}) died; its tensors are lost"
+    return segment.gone(meta.obj_id, meta.pid, meta.started)
+
+
+def _aborted(obj_id: str) -> str:
+    """Return the message of a read of ``obj_id`` that Ray aborted."""
+    return f"Ray aborted the read of object {obj_id}"
+
+
+def _fetch_timeout_s() -> float:
+    """Return Ray's bound on an RDT fetch, in seconds."""
+    from ray._private import ray_constants
+
+    return float(ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
 
 
 def _node_id() -> str:
@@ -242,21 +371,3 @@ def _node_id() -> str:
     import ray
 
     return str(ray.get_runtime_context().get_node_id())
-
-
-def _started(pid: int) -> int | None:
-    """Return the start time of process ``pid`` in clock ticks, or None if it does not run."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] in (b"Z", b"X"):  # a zombie or a dead process: it died
-        return None
-    return int(fields[19])
-
-
-def _alive(pid: int, started: int) -> bool:
-    """Return whether process ``pid``, started at ``started`` (0: unknown), still runs."""
-    now = _started(pid)
-    return now is not None and started in (0, now)

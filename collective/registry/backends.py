@@ -15,6 +15,7 @@ from typing import Any, Protocol, cast
 from collective.groups.base import BaseGroup
 from collective.groups.cpu.group import CpuGroup
 from collective.groups.gloo.group import GlooGroup
+from collective.groups.gpu.connect import connect_gpu_group
 from collective.groups.nccl.group import NCCLGroup
 from collective.rendezvous.store import RendezvousStore
 from collective.types import (
@@ -64,8 +65,32 @@ _classes: dict[str, type[BaseGroup]] = {
     Backend.NCCL.value: NCCLGroup,
 }
 _BUILT_IN = frozenset(_classes)
-_BUILT_IN_CONSTRUCTORS: tuple[GroupConstructor, ...] = (CpuGroup, GlooGroup, NCCLGroup)
-"""The built-in classes typed as constructors, so that mypy checks they keep the contract."""
+_BUILT_IN_CONSTRUCTORS: tuple[GroupConstructor, ...] = (
+    CpuGroup,
+    GlooGroup,
+    NCCLGroup,
+    connect_gpu_group,
+)
+"""The built-in constructors, so that mypy checks they keep the contract."""
+
+_PICKERS: dict[str, GroupConstructor] = {Backend.NCCL.value: connect_gpu_group}
+"""The built-in backends whose groups are built by a function that picks the class at init
+(a GPU group: NCCL, or device memory among ranks that share a GPU)."""
+
+
+def builder(name: str) -> GroupConstructor:
+    """Return what builds a group of backend ``name``: its picker, else its class."""
+    return _PICKERS.get(name) or constructor(group_class(name, here=False))
+
+
+def rebuilder(group: BaseGroup) -> GroupConstructor:
+    """Return what builds a new incarnation or a subgroup of ``group``, for its backend.
+
+    A GPU group picks its transport again, as its ranks may sit elsewhere; any other
+    group is rebuilt with its own class.
+    """
+    picker = _PICKERS.get(type(group).backend_name())
+    return picker or constructor(type(group))
 
 
 def backend_name(backend: Any) -> str:

@@ -14,7 +14,7 @@ from datetime import timedelta
 from collective.checks.check_args import CheckedGroup
 from collective.groups.base import BaseGroup
 from collective.registry import backends, ray_process
-from collective.registry.backends import GroupConstructor, constructor
+from collective.registry.backends import GroupConstructor
 from collective.rendezvous import membership
 from collective.rendezvous.client import RayRendezvousStore
 from collective.types import CollectiveError, CollectiveTimeoutError, GroupOptions
@@ -36,7 +36,8 @@ def join_and_build(
     group's ranks all read it from the declaration). A newcomer of a grow commits
     once connected, and the grow ends for every rank if it cannot.
     """
-    cls = backends.group_class(backend)
+    backends.group_class(backend)  # raises, saying what to install, if it cannot run here
+    build = backends.builder(backend)
     start = time.monotonic()
     try:
         store, newcomer = membership.join_store(
@@ -47,7 +48,7 @@ def join_and_build(
     commit_s = _left(start, timeout) if newcomer else None
     try:
         group = build_incarnation(
-            constructor(cls),
+            build,
             world_size,
             rank,
             store,

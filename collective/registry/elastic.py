@@ -23,8 +23,7 @@ from typing import Any
 from collective.checks import arguments
 from collective.checks.check_args import CheckedGroup
 from collective.groups.base import BaseGroup
-from collective.registry import build, held, ray_process
-from collective.registry.backends import constructor
+from collective.registry import backends, build, held, ray_process
 from collective.rendezvous import membership
 from collective.rendezvous.client import RPC_GRACE_S, RayRendezvousStore
 from collective.rendezvous.liveness import current_member
@@ -241,7 +240,7 @@ def _reshape(
     checked = isinstance(group, CheckedGroup)
     try:
         built = build.build_incarnation(
-            constructor(type(inner)),
+            backends.rebuilder(inner),
             size,
             rank,
             fresh,

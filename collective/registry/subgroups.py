@@ -26,8 +26,7 @@ from typing import Any
 
 from collective.checks import arguments
 from collective.groups.base import BaseGroup
-from collective.registry import held, ray_process
-from collective.registry.backends import constructor
+from collective.registry import backends, held, ray_process
 from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
 from collective.types import (
     ArgumentTypeError,
@@ -119,7 +118,7 @@ def new_group(
     _publish(meeting, me, {"ranks": ranks, "name": name})
     _agree(meeting, me, ranks, name, group_timeout)
     store = PrefixedRendezvousStore(parent_store, f"subgroup/{incarnation}/{call}/{name}/")
-    cls = constructor(type(parent_group))
+    cls = backends.rebuilder(parent_group)
     held.create_group(
         name,
         lambda: (

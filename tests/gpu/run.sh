@@ -18,7 +18,7 @@
 # eight brings them all. Exits non-zero if a test, a GPU example or the benchmark failed.
 # Time limits (seconds), each overridable: GPU_TESTS_TIMEOUT_S, EXAMPLE_TIMEOUT_S (each
 # example), BENCH_TIMEOUT_S and BENCH_BUDGET_S (the benchmark stops measuring new points
-# after it).
+# after it), SHARED_BENCH_TIMEOUT_S (the benchmark of ranks that share a GPU).
 # World sizes 2 and 3 run on any GPU machine: where fewer GPUs are visible than ranks,
 # the rank processes share them, each claiming a host of its own for NCCL
 # (NCCL_HOSTID, NCCL_SOCKET_IFNAME=lo; see tests/gpu/cases.py).
@@ -120,6 +120,13 @@ timeout -k 10 "${BENCH_TIMEOUT_S:-300}" "$PYTHON" -m benchmarks.nccl \
     --budget-s "${BENCH_BUDGET_S:-200}" --json "$OUT/bench.json" --text "$OUT/bench.txt" \
     --profile "$OUT/profile.txt" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
+
+# Ranks that share one GPU: the shared-GPU transport beside the copy bound and NCCL over
+# sockets; its table is appended to bench.txt and its results merged into bench.json.
+timeout -k 10 "${SHARED_BENCH_TIMEOUT_S:-240}" "$PYTHON" -m benchmarks.nccl --shared-gpu \
+    --json "$OUT/bench.json" --text "$OUT/bench.txt" >>"$OUT/bench.log" 2>&1
+shared_rc=$?
+[ "$shared_rc" -eq 0 ] || { echo "shared-GPU benchmark: exit $shared_rc (see bench.log)"; bench_rc=$shared_rc; }
 
 # The NCCL mismatch check's cost: the per-call table again, with the check off.
 COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops allreduce \

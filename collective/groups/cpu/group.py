@@ -90,7 +90,7 @@ class CpuGroup(CpuRunning):
         general = super().build(op, x, options)[0]
         timeout = options.timeout or self.timeout
         seconds = timeout.total_seconds()
-        lane = self._lane("collective")
+        lane = self._lanes.get("collective")
 
         def launch(x: Any) -> None:
             watch = self._watch

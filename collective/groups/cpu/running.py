@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any, NoReturn
 
 from collective.frameworks.kinds import DTYPES
@@ -20,14 +21,15 @@ from collective.groups.base import BaseGroup
 from collective.groups.cpu.connect import Member, Transports, connect
 from collective.groups.cpu.routes import Flat, Hierarchy
 from collective.groups.gloo.group import GlooGroup
-from collective.groups.lanes import Lane, Task
+from collective.groups.lanes import Lanes
 from collective.groups.shm.algorithms import Collectives
 from collective.groups.shm.arena import OP_SEQ
+from collective.groups.shm.failures import caller_error
 from collective.groups.shm.local_copies import LocalCopies
-from collective.groups.shm.sendrecv import MessageMismatchError, SendRecv
+from collective.groups.shm.sendrecv import SendRecv
 from collective.groups.shm.short import ShortOps
-from collective.groups.shm.steps import MismatchError, Steps
-from collective.groups.shm.sync import AbortedError, PeerDiedError, StalledError, Waiter
+from collective.groups.shm.steps import Steps
+from collective.groups.shm.sync import Waiter
 from collective.groups.watch import FailureWatch
 from collective.rendezvous.store import RendezvousStore
 from collective.types import (
@@ -93,7 +95,7 @@ class CpuRunning(BaseGroup):
         self._sendrecv: SendRecv | None = None
         self._route: Flat | Hierarchy | None = None
         self._watch: FailureWatch | None = None
-        self._lanes: dict[str, Lane] = {}
+        self._lanes = Lanes(group_name)
         member = Member(world_size, rank, group_name, store, timeout, host, self.options)
         try:
             connect(member, self._found, node, slot_bytes)
@@ -192,12 +194,6 @@ class CpuRunning(BaseGroup):
         watch = self._watch
         return watch.failure if watch is not None else None
 
-    def _lane(self, name: str) -> Lane:
-        lane = self._lanes.get(name)
-        if lane is None:
-            lane = self._lanes.setdefault(name, Lane(f"collective-{self.group_name}-{name}"))
-        return lane
-
     def _submit(
         self, op: str, options: Any, body: Callable[[float], None], lane: str = "collective"
     ) -> Work:
@@ -217,19 +213,8 @@ class CpuRunning(BaseGroup):
             except BaseException as exc:
                 self._raise_failure(op, timeout, exc)
 
-        stream = self._lane(lane)
-        if not options.async_op and stream.enter():
-            try:
-                run()
-            finally:
-                stream.leave()
-            return _DONE
-        task = Task(run, lambda waited: self._expired(op, waited))
-        stream.submit(task, options.async_op)
-        if options.async_op:
-            return task
-        task.wait()
-        return _DONE
+        expired = partial(self._expired, op)
+        return self._lanes.run(lane, run, expired, options.async_op) or _DONE
 
     def _raise_failure(self, op: str, timeout: timedelta, exc: BaseException) -> NoReturn:
         """Raise what the caller sees of ``exc``, which ended ``op``; see ``_failed``."""
@@ -242,36 +227,15 @@ class CpuRunning(BaseGroup):
 
     def _failed(self, op: str, timeout: timedelta, exc: BaseException) -> BaseException:
         """Turn what ``exc`` says into the error the caller sees; break the group if needed."""
-        if isinstance(exc, ArgumentError):
-            return exc
-        where = f"{op} on group {self.group_name!r}"
-        if isinstance(exc, MessageMismatchError):
-            return CollectiveError(f"{where} failed on rank {self.rank}: {exc}")
+        error, breaks = caller_error(
+            exc, op, self.group_name, self.rank, timeout, self._global_rank, self._laggards
+        )
+        if not breaks:
+            return error
         if self._aborted is not None:
             return self._aborted_error(op)
-        if isinstance(exc, CollectiveError):
-            error = exc
-        elif isinstance(exc, TimeoutError):
-            stalled = exc.local_rank if isinstance(exc, StalledError) else None
-            error = CollectiveTimeoutError(
-                op, self.group_name, self.rank, timeout, self._laggards(stalled)
-            )
-        elif isinstance(exc, PeerDiedError):
-            dead = self._global_rank(exc.local_rank)
-            error = CollectiveError(f"{where} failed on rank {self.rank}: rank {dead} died")
-        elif isinstance(exc, AbortedError):
-            why = str(exc)
-            if exc.local_rank is not None and not why:
-                why = f"rank {self._global_rank(exc.local_rank)} gave up on the group"
-            error = CollectiveError(f"{where} was aborted on rank {self.rank}: {why}")
-        elif isinstance(exc, MismatchError):
-            error = CollectiveError(
-                f"{where} failed on rank {self.rank}: {exc}; pass check_args=True to the "
-                "group to catch such calls before any data moves"
-            )
-        else:
-            error = CollectiveError(f"{where} failed on rank {self.rank}: {exc!r}")
-        self._break(error)
+        if isinstance(error, CollectiveError):
+            self._break(error)
         return error
 
     def _expired(self, op: str, waited: timedelta) -> CollectiveTimeoutError:
@@ -329,7 +293,7 @@ class CpuRunning(BaseGroup):
         rank could not end otherwise, so their groups break, as if it had died.
         """
         super().abort(reason)
-        pending = any(lane.active() for lane in list(self._lanes.values()))
+        pending = self._lanes.active()
         if self._waiter is not None and self._steps is not None and self._sendrecv is not None:
             counters = self._steps.all_counters() + self._sendrecv.counters()
             if pending:
@@ -352,9 +316,7 @@ class CpuRunning(BaseGroup):
         self._closing = True
         self.abort(f"group {self.group_name!r} was destroyed on rank {self.rank}")
         error = CollectiveError(f"group {self.group_name!r} has been destroyed")
-        lanes, self._lanes = list(self._lanes.values()), {}
-        for lane in lanes:
-            lane.stop(error)
+        lanes = self._lanes.stop(error)
         self._found.destroy_gloo()
         if self._watch is not None:
             self._watch.stop()

@@ -49,11 +49,12 @@ def _piece_bytes(steps: Steps, itemsize: int = 8) -> int:
 class Collectives:
     """The collective ops of one local rank over the arena's slots."""
 
-    def __init__(self, steps: Steps) -> None:
-        """Run ops through ``steps``."""
+    def __init__(self, steps: Steps, reduce_block_bytes: int = REDUCE_BLOCK_BYTES) -> None:
+        """Run ops through ``steps``; see ``_allreduce_pair`` for ``reduce_block_bytes``."""
         self.steps = steps
         self.size = steps.size
         self.rank = steps.rank
+        self.reduce_block_bytes = reduce_block_bytes
 
     def barrier(self, deadline: float) -> None:
         """Return once every local rank has entered the barrier."""
@@ -184,8 +185,8 @@ class Collectives:
         reduces, reduces its own half of the chunk in place (the two contributions in
         rank order), and hands the result over; each rank copies in the other's half.
         That moves and computes less than both ranks reducing the whole chunk. The
-        half is reduced in blocks of ``REDUCE_BLOCK_BYTES``, each copied to the result
-        slot while it is still in cache.
+        half is reduced in blocks of ``reduce_block_bytes`` (``REDUCE_BLOCK_BYTES`` on the
+        CPU), each copied to the result slot while it is still in cache.
         """
         steps, me = self.steps, self.rank
         peer = 1 - me
@@ -203,7 +204,7 @@ class Collectives:
             result = steps.next()
             steps.free(result, deadline)
             posted = steps.slot(result)
-            for a, b in _spans(own.size, REDUCE_BLOCK_BYTES):
+            for a, b in _spans(own.size, self.reduce_block_bytes):
                 block = own[a:b]
                 reducer.fold([block, other[a:b]] if me == 0 else [other[a:b], block], block)
                 posted[a:b] = block
@@ -361,6 +362,7 @@ class Collectives:
         steps.post(step)
         steps.collect_all(step, deadline)
         table = np.stack([steps.peer_slot(r, step)[: 16 * n].view(np.int64) for r in range(n)])
+        table = table.get() if hasattr(table, "get") else table  # device slots (cupy): to the host
         steps.done(step)
         sends, receives = table[:, :n], table[:, n:]
         if not np.array_equal(sends, receives.T):

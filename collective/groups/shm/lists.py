@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -40,21 +40,32 @@ def slot_addresses(steps: Steps) -> list[list[int]]:
     return kept[1]
 
 
-def broadcast_list(steps: Steps, datas: Sequence[np.ndarray], root: int, deadline: float) -> None:
+def broadcast_list(
+    steps: Steps,
+    datas: Sequence[np.ndarray],
+    root: int,
+    deadline: float,
+    move: Callable[[int, int, int], object] = _memmove,
+    slots: Sequence[int] | None = None,
+) -> None:
     """Copy local rank ``root``'s ``datas`` into every other local rank's ``datas``, in place.
 
     Every local rank passes flat contiguous ``uint8`` buffers (a ``ByteList`` or
     arrays) of the same total size: the message is their bytes end to end, however
     each rank cuts it into buffers. The root's are only read. The root confirms on
     the first step that every reader runs the same op, as a broadcast's root does.
+    ``move(target, source, size)`` copies bytes between addresses, and ``slots`` are
+    the addresses of the root's slots: a ``memmove`` and the arena's by default,
+    while device slots pass a device copy and their own.
     """
     message = datas if isinstance(datas, ByteList) else ByteList.of(datas)
     steps.begin("broadcast", "", root=root, nbytes=message.nbytes)
     me = steps.rank
     readers = [r for r in range(steps.size) if r != root]
     first = steps.step
-    move, nbuf = _memmove, steps.nbuf
-    slots = slot_addresses(steps)[root]
+    nbuf = steps.nbuf
+    if slots is None:
+        slots = slot_addresses(steps)[root]
     for pieces in message.cut(steps.slot_bytes):
         step = steps.next()
         if me == root:

@@ -1,0 +1,9 @@
+"""The GPU group: NCCL among GPUs, device memory among ranks that share one, picked at init.
+
+``connect`` builds the group of ``backend="nccl"``: the ranks exchange their GPU's UUID
+through the store (never its index, which Ray and ``CUDA_VISIBLE_DEVICES`` renumber per
+process), then every rank derives the same choice from what all published. This is
+the one package that knows both GPU transports: it imports ``groups.nccl``,
+``groups.shared_gpu``, the shared pieces of ``collective.groups``,
+``collective.rendezvous``, ``collective.frameworks`` and ``collective.types``.
+"""

@@ -1,0 +1,158 @@
+"""Which transport a GPU group runs, decided at init from where its ranks' GPUs are.
+
+Every rank publishes its node and its GPU's UUID; from the same list, every rank picks:
+
+- every rank on a GPU of its own (or a group of one): ``NCCLGroup``, as always;
+- every rank on one GPU: ``SharedGpuGroup``, device memory that every rank maps
+  through CUDA IPC, with no NCCL at all (NCCL refuses two ranks of one
+  communicator on one GPU);
+- several GPUs with several ranks on some: not supported yet; a ``CollectiveError``
+  on every rank says so, and what to set instead.
+
+``COLLECTIVE_GPU_TRANSPORT=nccl`` skips the exchange and builds ``NCCLGroup``
+whatever the layout (for comparison; ranks that share a GPU then need a
+``NCCL_HOSTID`` each, and move bytes through NCCL's sockets).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+from collective.frameworks import cuda_buffers
+from collective.groups import topology
+from collective.groups.base import BaseGroup
+from collective.groups.nccl.comm import cupy_module
+from collective.groups.nccl.group import NCCLGroup
+from collective.groups.shared_gpu.device import CudaDevice, Device
+from collective.groups.shared_gpu.group import SharedGpuGroup
+from collective.groups.shared_gpu.running import Buffers
+from collective.rendezvous.store import RendezvousStore
+from collective.types import DEFAULT_TIMEOUT, CollectiveError, CollectiveTimeoutError, GroupOptions
+
+TRANSPORT_ENV = "COLLECTIVE_GPU_TRANSPORT"
+"""``auto`` (the default): pick from the ranks' GPUs; ``nccl``: NCCL whatever they are."""
+
+_CHOICES = ("auto", "nccl")
+
+
+def wished() -> str:
+    """Return the transport ``COLLECTIVE_GPU_TRANSPORT`` asks for.
+
+    Raises:
+        CollectiveError: the variable holds something else than ``auto`` or ``nccl``.
+
+    """
+    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise CollectiveError(f"{TRANSPORT_ENV} must be one of {list(_CHOICES)}, got {value!r}")
+    return value
+
+
+def choose(places: list[list[str]]) -> str:
+    """Return "nccl" or "shared_gpu" for ranks on ``places`` (each rank's node and GPU).
+
+    Raises:
+        CollectiveError: some GPUs hold several ranks and some ranks are elsewhere.
+
+    """
+    keys = [tuple(place) for place in places]
+    distinct = set(keys)
+    if len(distinct) == len(keys):
+        return "nccl"
+    if len(distinct) == 1:
+        return "shared_gpu"
+    shared = sorted(
+        {
+            str([r for r, k in enumerate(keys) if k == key])
+            for key in distinct
+            if keys.count(key) > 1
+        }
+    )
+    raise CollectiveError(
+        "the group's ranks share some GPUs but not all (ranks on one GPU: "
+        f"{', '.join(shared)}): a group over several GPUs with several ranks on one is not "
+        f"supported yet; put each rank on a GPU of its own, or all on one, or set "
+        f"{TRANSPORT_ENV}=nccl and a NCCL_HOSTID per rank to run NCCL over its sockets"
+    )
+
+
+def current_stream(x: Any) -> int:
+    """Return the caller's current stream on ``x``'s device (None: on the current device)."""
+    if x is None:
+        return cuda_buffers.stream_of(None)[0]
+    return cuda_buffers.current_stream(x)
+
+
+def capturing(x: Any) -> bool:
+    """Return whether the caller's current stream on ``x``'s device captures a CUDA graph.
+
+    For None, the current device's current stream: torch's where torch is imported.
+    """
+    if x is not None:
+        return cuda_buffers.capturing(x)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return bool(torch.cuda.is_current_stream_capturing())
+    return bool(cupy_module().cuda.get_current_stream().is_capturing())
+
+
+CUDA_BUFFERS = Buffers(
+    cuda_buffers.cuda_buffer,
+    current_stream,
+    capturing,
+    cuda_buffers.contiguous_copy,
+)
+"""A GPU group's buffers: cupy arrays and CUDA torch tensors on the caller's streams."""
+
+
+def connect_gpu_group(
+    world_size: int,
+    rank: int,
+    group_name: str,
+    store: RendezvousStore,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    host: str = "127.0.0.1",
+    *,
+    options: GroupOptions | None = None,
+    device: Device | None = None,
+    cupy: Any = None,
+    buffers: Buffers = CUDA_BUFFERS,
+) -> BaseGroup:
+    """Connect this rank to the others of a ``backend="nccl"`` group; see the module docstring.
+
+    ``device``, ``cupy`` and ``buffers`` stand in for the CUDA device, cupy and CUDA's
+    buffers in tests; by default they are the real ones.
+
+    Raises:
+        CollectiveError: cupy, NCCL or a GPU is missing; the layout is not supported; or
+            ``COLLECTIVE_GPU_TRANSPORT`` holds an unknown value.
+        CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
+
+    """
+    if world_size == 1 or wished() == "nccl":
+        return NCCLGroup(world_size, rank, group_name, store, timeout, host, options)
+    if device is None:
+        cupy = cupy_module()
+        device = CudaDevice(cupy)
+    place = [topology.node_key(), device.uuid()]
+    try:
+        places = topology.exchange(store, "gpu/where", rank, world_size, place, timeout)
+    except TimeoutError as exc:
+        raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
+    if choose(places) == "nccl":
+        return NCCLGroup(world_size, rank, group_name, store, timeout, host, options)
+    return SharedGpuGroup(
+        world_size,
+        rank,
+        group_name,
+        store,
+        timeout,
+        host,
+        options,
+        device=device,
+        buffers=buffers,
+        cupy=cupy,
+    )
