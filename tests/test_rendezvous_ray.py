@@ -5,6 +5,7 @@ Each test is one item of issue 12, with real actors and real kills.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -199,6 +200,7 @@ def _nccl_group_life(world_size: int, rank: int, name: str) -> list[str]:
 
     cupy = ContractCupy()
     comm._probe = lambda: (cupy, "")  # type: ignore[assignment]
+    os.environ["COLLECTIVE_GPU_TRANSPORT"] = "nccl"  # no GPU to find: NCCL, as it was asked
     col.init_collective_group(world_size, rank, backend="nccl", group_name=name)
     group: Any = col.get_group_handle(name)
     group._collective_comms([0], group.timeout)

@@ -12,6 +12,8 @@ cuts the tensors from those bytes as a local consumer cuts them from its mapping
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -21,6 +23,9 @@ import numpy as np
 from collective.frameworks.bytelist import address, raw_bytes
 from collective.ray_plugins import segment
 from collective.types import CollectiveError, CollectiveTimeoutError
+
+WAIT_SLICE_S = 0.05
+"""How often a waiting read looks whether it was aborted, in seconds."""
 
 
 @functools.cache
@@ -70,8 +75,18 @@ def start(
     )
 
 
-def fetch(ref: Any, obj_id: str, node_id: str, timeout_s: float, name: str) -> np.ndarray:
+def fetch(
+    ref: Any,
+    obj_id: str,
+    node_id: str,
+    timeout_s: float,
+    name: str,
+    aborted: threading.Event | None = None,
+) -> np.ndarray:
     """Wait up to ``timeout_s`` seconds for the bytes of ``obj_id`` read on ``node_id``.
+
+    The wait looks at ``aborted`` every ``WAIT_SLICE_S``: once it is set, the read is
+    cancelled and a ``CollectiveError`` raised.
 
     Args:
         ref: the reference ``start`` returned.
@@ -79,6 +94,7 @@ def fetch(ref: Any, obj_id: str, node_id: str, timeout_s: float, name: str) -> n
         node_id: the producer's node, for messages.
         timeout_s: how long to wait, in seconds.
         name: the transport's name, for messages.
+        aborted: set when the read must end now.
 
     Returns:
         The whole file, read-only (it lies in Ray's object store).
@@ -93,8 +109,17 @@ def fetch(ref: Any, obj_id: str, node_id: str, timeout_s: float, name: str) -> n
     import ray
     from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
+    deadline = time.monotonic() + timeout_s
     try:
-        payload = ray.get(ref, timeout=timeout_s)
+        while not ray.wait([ref], timeout=min(WAIT_SLICE_S, max(deadline - time.monotonic(), 0)))[
+            0
+        ]:
+            if aborted is not None and aborted.is_set():
+                ray.cancel(ref)
+                raise CollectiveError(f"the read of object {obj_id} was aborted")
+            if time.monotonic() >= deadline:
+                raise GetTimeoutError
+        payload = ray.get(ref, timeout=max(deadline - time.monotonic(), WAIT_SLICE_S))
     except GetTimeoutError:
         ray.cancel(ref)
         raise CollectiveTimeoutError(

@@ -260,7 +260,7 @@ class ShmTransport(TensorTransportManager):
         with self._reading(fetch_request.obj_id, fetch_request.ref) as read:
             try:
                 payload = remote_read.fetch(
-                    fetch_request.ref, meta.obj_id, meta.node_id, timeout_s, SHM_NAME
+                    fetch_request.ref, meta.obj_id, meta.node_id, timeout_s, SHM_NAME, read.aborted
                 )
             except CollectiveError:
                 if read.aborted.is_set():
