@@ -44,6 +44,21 @@ class _Memory:
     opened_by: set[int] = field(default_factory=set)
 
 
+class DeviceBytes(np.ndarray):
+    """Device memory as cupy takes writes into it: from device arrays and scalars only.
+
+    cupy fills a device array from a non-array value (``ndarray.fill``), which refuses
+    anything but a scalar: a list of sizes written into a slot raises on a GPU, so it
+    raises here too. Views of it (and numpy's results on it) stay ``DeviceBytes``; a
+    plain numpy array stands for a caller's device buffer or another device array.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, (list, tuple)):
+            raise ValueError("non-scalar value cannot be used for fill (as cupy refuses it)")
+        super().__setitem__(key, value)
+
+
 class HostGpu:
     """One stand-in GPU shared by the ranks (threads) of a test."""
 
@@ -73,6 +88,8 @@ class HostDevice:
         """(event, its owner, its records when waited on), in order."""
         self.records: list[tuple[int, int]] = []
         """(event, its records after this record), in order."""
+        self.settles = True
+        """What ``settle`` says: False stands for device work that never finishes."""
         self.opened_memory: dict[int, int] = {}
         self.opened_events: dict[int, int] = {}
 
@@ -183,12 +200,16 @@ class HostDevice:
         with self.gpu.lock:
             for base, memory in self.gpu.memory.items():
                 if base <= ptr and ptr + nbytes <= base + memory.array.size:
-                    return memory.array[ptr - base : ptr - base + nbytes]
+                    return memory.array[ptr - base : ptr - base + nbytes].view(DeviceBytes)
         return raw_bytes(ptr, nbytes)
 
     def on_stream(self, stream: int) -> Any:
         """Return a context that does nothing: the stand-in's streams are synchronous."""
         return contextlib.nullcontext()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Return ``settles`` (True unless a test says otherwise): nothing is ever queued."""
+        return self.settles
 
     def synchronize(self) -> None:
         """Do nothing: every operation has finished already."""

@@ -79,6 +79,31 @@ def test_run_sh_without_gpu_or_ray_says_why_and_succeeds(
         assert f"# {op}, world size 1: unavailable: no GPU" in summary
 
 
+@needs_no_gpu
+def test_run_sh_runs_only_the_parts_asked_for(
+    tmp_path: Path, without_ray: dict[str, str]
+) -> None:
+    """A machine lent for less than the whole run takes its parts in separate calls."""
+    out = tmp_path / "out"
+    env = dict(without_ray, OUT=str(out), RUN_PARTS="tests", GPU_TESTS="tests/gpu/test_ops.py")
+    done = subprocess.run(
+        ["bash", "tests/gpu/run.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert "## pytest tests/gpu (exit 0)" in summary and " skipped in " in summary
+    assert "examples/multigpu.py: skipped: not run (RUN_PARTS=tests)" in summary
+    assert "benchmark: not run (RUN_PARTS=tests)" in summary
+    assert "test_ops.py" in (out / "pytest.log").read_text()
+    assert not (out / "bench.json").exists()
+
+
 def test_run_sh_parses() -> None:
     done = subprocess.run(
         ["bash", "-n", "tests/gpu/run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=30

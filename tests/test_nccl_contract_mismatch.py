@@ -15,6 +15,7 @@ import ctypes
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -146,6 +147,10 @@ def test_ranks_that_disagree_all_raise_naming_the_field_and_the_group_breaks(
         assert [e.name for e in r.cupys[rank].trace.named("abort")] == ["abort"]
 
 
+def _hear(heard: list[str], error: CollectiveError) -> None:
+    heard.append(str(error))
+
+
 def _next_op_error(g: Any) -> BaseException | None:
     try:
         g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions())
@@ -204,3 +209,37 @@ def test_a_checked_group_skips_the_check_it_makes_itself(ranks: Callable[..., Ra
     r.groups[0].skip_agreement()
     r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
     assert checks(r.cupys[0]) == []
+
+
+def test_agree_compares_the_given_op_even_where_the_group_skips_its_checks(
+    ranks: Callable[..., Ranks],
+) -> None:
+    """``agree`` hands NCCL the words of the op it names, on the caller's stream, and nothing
+    else; a group across GPUs calls it on its leaders, whose own ops skip their checks."""
+    r = ranks(2)
+    for g in r.groups:
+        g.skip_agreement()
+    played = hold_checks(r)
+    xs = [DeviceArray((6,), "float64") for _ in range(2)]
+    wait = timedelta(seconds=5)
+    r.run(lambda rank, g: g.agree("reducescatter", xs[rank], -1, ReduceOp.AVG, wait))
+    for rank, cupy in enumerate(r.cupys):
+        ((call, copy, _),) = checks(cupy)
+        words = cupy.uploaded(call.args[0])
+        fields = signature.of_call("reducescatter", 0, xs[rank], -1, ReduceOp.AVG)
+        assert words[1 : mismatch.WORDS].tolist() == fields[: mismatch.FIELDS]
+        assert call.args[5] == caller_stream(0) and copy.args[4] == caller_stream(0)
+        assert not cupy.trace.named("reduce") and len(cupy.trace.named("allReduce")) == 1
+    play_nccl(r, played)
+    r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
+    assert all(len(checks(c)) == 1 for c in r.cupys), "the op itself stays unchecked"
+
+    r.run(lambda rank, g: g.agree("broadcast", xs[rank], rank, None, wait))
+    play_nccl(r, played)
+    heard: list[list[str]] = [[], []]
+    for rank, g in enumerate(r.groups):
+        g.on_failure(partial(_hear, heard[rank]))
+    errors = r.run(lambda _, g: _next_op_error(g))
+    for rank, error in enumerate(errors):
+        assert isinstance(error, CollectiveError) and "root:" in str(error)
+        assert len(heard[rank]) == 1 and "root:" in heard[rank][0], heard

@@ -10,6 +10,7 @@ does with these calls is checked against cupy's real binding in
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from collective.groups.shared_gpu import transport as transport_module
 from collective.groups.shared_gpu.transport import SharedGpu, slot_bytes_for
 from collective.groups.shm.arena import NAME_PREFIX, SHM_DIR
 from collective.groups.shm.steps import MismatchError
@@ -322,6 +324,59 @@ def test_connecting_and_closing_leaves_no_memory_event_mapping_or_file() -> None
         assert gpu.live() == (0, 0)
     assert gpu.misuse == []
     assert _our_files() == before
+
+
+def test_a_rank_that_closes_late_finds_its_slots_still_mapped_and_freed_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 closes 1 s after rank 0 gave up waiting (0.2 s): rank 0 must not free the
+    slots rank 1 still maps (CUDA leaves that undefined); a thread frees them later."""
+    monkeypatch.setattr(transport_module, "CLOSE_WAIT_S", 0.2)
+    gpu = HostGpu()
+
+    def fn(t: SharedGpu, device: HostDevice, rank: int) -> None:
+        if rank == 1:
+            time.sleep(1.0)
+
+    run_gpu(2, fn, gpu)
+    deadline = time.monotonic() + 10
+    while gpu.live() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gpu.misuse == []
+    assert gpu.live() == (0, 0)
+
+
+def test_device_work_that_never_finishes_leaves_the_slots_and_never_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream waiting on a dead peer's event never goes idle: close gives up on it after
+    ``SETTLE_S`` and leaves its memory allocated and mapped (never freed under queued
+    work); rank 1 then cannot free the slots rank 0 still maps, and its thread gives up
+    after ``REAP_S``."""
+    monkeypatch.setattr(transport_module, "SETTLE_S", 0.1)
+    monkeypatch.setattr(transport_module, "CLOSE_WAIT_S", 0.1)
+    monkeypatch.setattr(transport_module, "REAP_S", 0.3)
+    gpu = HostGpu()
+
+    def fn(t: SharedGpu, device: HostDevice, rank: int) -> None:
+        device.settles = rank != 0
+
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        run_gpu(2, fn, gpu)
+    assert time.monotonic() - start < 15
+    assert gpu.misuse == []
+    assert {memory.owner for memory in gpu.memory.values()} == {0, 1}
+    deadline = time.monotonic() + 10
+    while _reapers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _reapers()
+    assert {memory.owner for memory in gpu.memory.values()} == {0, 1}
+    assert gpu.misuse == []
+
+
+def _reapers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "collective-free-slots"]
 
 
 def test_slot_size_is_checked() -> None:

@@ -294,8 +294,8 @@ def test_a_hundred_groups_made_used_and_destroyed_leave_nothing() -> None:
 def test_the_layout_decides_the_transport() -> None:
     assert choose([["n", "a"], ["n", "b"], ["m", "a"]]) == "nccl"
     assert choose([["n", "a"]] * 3) == "shared_gpu"
-    with pytest.raises(CollectiveError, match=r"ranks on one GPU: \[0, 2\]"):
-        choose([["n", "a"], ["n", "b"], ["n", "a"]])
+    assert choose([["n", "a"], ["n", "b"], ["n", "a"]]) == "hierarchy"
+    assert choose([["n", "a"], ["m", "a"], ["m", "a"]]) == "hierarchy"
 
 
 def test_the_variable_forces_nccl_or_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,9 @@
 # World sizes 2 and 3 run on any GPU machine: where fewer GPUs are visible than ranks,
 # the rank processes share them, each claiming a host of its own for NCCL
 # (NCCL_HOSTID, NCCL_SOCKET_IFNAME=lo; see tests/gpu/cases.py).
+# RUN_PARTS (default "tests examples bench") picks the parts to run, so that a machine lent
+# for less than the whole run can take them in separate calls; GPU_TESTS (default
+# tests/gpu) the test paths (and any pytest arguments) of the "tests" part.
 # GPU_WHEELS=DIR installs the wheels in DIR (e.g. Ray and its dependencies, for a
 # machine without network) with pip install --no-index --no-deps --target, so that the
 # Ray GPU tests run; without Ray they skip, saying so.
@@ -76,9 +79,18 @@ EOF
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -p no:cacheprovider \
-    --confcutdir=tests/gpu -ra --timeout=120 tests/gpu 2>&1 | tee "$OUT/pytest.log"
-tests_rc=${PIPESTATUS[0]}
+RUN_PARTS="${RUN_PARTS:-tests examples bench}"
+runs() { case " $RUN_PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+tests_rc=0
+if runs tests; then
+    # shellcheck disable=SC2086  # GPU_TESTS holds paths and pytest arguments
+    timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -p no:cacheprovider \
+        --confcutdir=tests/gpu -ra --timeout=120 ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest.log"
+    tests_rc=${PIPESTATUS[0]}
+else
+    echo "tests: not run (RUN_PARTS=$RUN_PARTS)" | tee "$OUT/pytest.log"
+fi
 pytest_lines=$(wc -l <"$OUT/pytest.log")
 
 # Every GPU example, found by its docstring's marker line. Its output follows the suite's in
@@ -91,6 +103,7 @@ if "$PYTHON" -c "import ray" >/dev/null 2>&1; then
 else
     no_ray="Ray is not importable (GPU_WHEELS=DIR installs it)"
 fi
+runs examples || no_ray="not run (RUN_PARTS=$RUN_PARTS)"
 for example in $(grep -l '^GPU example:' examples/*.py); do
     if [ -n "$no_ray" ]; then
         outcome="skipped: $no_ray"
@@ -116,22 +129,27 @@ for example in $(grep -l '^GPU example:' examples/*.py); do
 done
 [ -s "$example_outcomes" ] || echo "no example has a line starting with 'GPU example:'" >"$example_outcomes"
 
-timeout -k 10 "${BENCH_TIMEOUT_S:-300}" "$PYTHON" -m benchmarks.nccl \
-    --budget-s "${BENCH_BUDGET_S:-200}" --json "$OUT/bench.json" --text "$OUT/bench.txt" \
-    --profile "$OUT/profile.txt" 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
+bench_rc=0
+if runs bench; then
+    timeout -k 10 "${BENCH_TIMEOUT_S:-300}" "$PYTHON" -m benchmarks.nccl \
+        --budget-s "${BENCH_BUDGET_S:-200}" --json "$OUT/bench.json" --text "$OUT/bench.txt" \
+        --profile "$OUT/profile.txt" 2>&1 | tee "$OUT/bench.log"
+    bench_rc=${PIPESTATUS[0]}
 
-# Ranks that share one GPU: the shared-GPU transport beside the copy bound and NCCL over
-# sockets; its table is appended to bench.txt and its results merged into bench.json.
-timeout -k 10 "${SHARED_BENCH_TIMEOUT_S:-240}" "$PYTHON" -m benchmarks.nccl --shared-gpu \
-    --json "$OUT/bench.json" --text "$OUT/bench.txt" >>"$OUT/bench.log" 2>&1
-shared_rc=$?
-[ "$shared_rc" -eq 0 ] || { echo "shared-GPU benchmark: exit $shared_rc (see bench.log)"; bench_rc=$shared_rc; }
+    # Ranks that share one GPU: the shared-GPU transport beside the copy bound and NCCL over
+    # sockets; its table is appended to bench.txt and its results merged into bench.json.
+    timeout -k 10 "${SHARED_BENCH_TIMEOUT_S:-240}" "$PYTHON" -m benchmarks.nccl --shared-gpu \
+        --json "$OUT/bench.json" --text "$OUT/bench.txt" >>"$OUT/bench.log" 2>&1
+    shared_rc=$?
+    [ "$shared_rc" -eq 0 ] || { echo "shared-GPU benchmark: exit $shared_rc (see bench.log)"; bench_rc=$shared_rc; }
 
-# The NCCL mismatch check's cost: the per-call table again, with the check off.
-COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops allreduce \
-    --sizes 8 --world-sizes 1 --impls collective,collective_torch,cupy_nccl \
-    --text "$OUT/bench_nocheck.txt" >>"$OUT/bench.log" 2>&1
+    # The NCCL mismatch check's cost: the per-call table again, with the check off.
+    COLLECTIVE_NCCL_CHECK=0 timeout -k 10 120 "$PYTHON" -m benchmarks.nccl --ops allreduce \
+        --sizes 8 --world-sizes 1 --impls collective,collective_torch,cupy_nccl \
+        --text "$OUT/bench_nocheck.txt" >>"$OUT/bench.log" 2>&1
+else
+    echo "benchmark: not run (RUN_PARTS=$RUN_PARTS)" >"$OUT/bench.log"
+fi
 
 {
     echo "# GPU suite, GPU examples and NCCL benchmark"

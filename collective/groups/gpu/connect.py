@@ -6,8 +6,8 @@ Every rank publishes its node and its GPU's UUID; from the same list, every rank
 - every rank on one GPU: ``SharedGpuGroup``, device memory that every rank maps
   through CUDA IPC, with no NCCL at all (NCCL refuses two ranks of one
   communicator on one GPU);
-- several GPUs with several ranks on some: not supported yet; a ``CollectiveError``
-  on every rank says so, and what to set instead.
+- several GPUs with several ranks on some: ``GpuHierarchyGroup``, the shared-GPU
+  transport inside each GPU and NCCL among one leader per GPU (``hierarchy``).
 
 ``COLLECTIVE_GPU_TRANSPORT=nccl`` skips the exchange and builds ``NCCLGroup``
 whatever the layout (for comparison; ranks that share a GPU then need a
@@ -24,6 +24,8 @@ from typing import Any
 from collective.frameworks import cuda_buffers
 from collective.groups import topology
 from collective.groups.base import BaseGroup
+from collective.groups.gpu.hierarchy import GpuHierarchyGroup
+from collective.groups.gpu.stages import DEVICE_ARRAYS, Arrays, MakeStages, Stages
 from collective.groups.nccl.comm import cupy_module
 from collective.groups.nccl.group import NCCLGroup
 from collective.groups.shared_gpu.device import CudaDevice, Device
@@ -52,11 +54,10 @@ def wished() -> str:
 
 
 def choose(places: list[list[str]]) -> str:
-    """Return "nccl" or "shared_gpu" for ranks on ``places`` (each rank's node and GPU).
+    """Return "nccl", "shared_gpu" or "hierarchy" for ranks on ``places`` (node and GPU each).
 
-    Raises:
-        CollectiveError: some GPUs hold several ranks and some ranks are elsewhere.
-
+    One rank per GPU: NCCL; every rank on one GPU: the shared-GPU transport; several
+    GPUs with several ranks on some: both, composed (``hierarchy``).
     """
     keys = [tuple(place) for place in places]
     distinct = set(keys)
@@ -64,19 +65,7 @@ def choose(places: list[list[str]]) -> str:
         return "nccl"
     if len(distinct) == 1:
         return "shared_gpu"
-    shared = sorted(
-        {
-            str([r for r, k in enumerate(keys) if k == key])
-            for key in distinct
-            if keys.count(key) > 1
-        }
-    )
-    raise CollectiveError(
-        "the group's ranks share some GPUs but not all (ranks on one GPU: "
-        f"{', '.join(shared)}): a group over several GPUs with several ranks on one is not "
-        f"supported yet; put each rank on a GPU of its own, or all on one, or set "
-        f"{TRANSPORT_ENV}=nccl and a NCCL_HOSTID per rank to run NCCL over its sockets"
-    )
+    return "hierarchy"
 
 
 def current_stream(x: Any) -> int:
@@ -120,15 +109,18 @@ def connect_gpu_group(
     device: Device | None = None,
     cupy: Any = None,
     buffers: Buffers = CUDA_BUFFERS,
+    make_stages: MakeStages | None = None,
+    arrays: Arrays = DEVICE_ARRAYS,
 ) -> BaseGroup:
     """Connect this rank to the others of a ``backend="nccl"`` group; see the module docstring.
 
-    ``device``, ``cupy`` and ``buffers`` stand in for the CUDA device, cupy and CUDA's
-    buffers in tests; by default they are the real ones.
+    ``device``, ``cupy``, ``buffers``, ``make_stages`` (the NCCL groups of a group
+    across GPUs) and ``arrays`` stand in for the CUDA device, cupy, CUDA's buffers, NCCL
+    and cupy's arrays in tests; by default they are the real ones.
 
     Raises:
-        CollectiveError: cupy, NCCL or a GPU is missing; the layout is not supported; or
-            ``COLLECTIVE_GPU_TRANSPORT`` holds an unknown value.
+        CollectiveError: cupy, NCCL or a GPU is missing, or ``COLLECTIVE_GPU_TRANSPORT``
+            holds an unknown value.
         CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
 
     """
@@ -142,9 +134,18 @@ def connect_gpu_group(
         places = topology.exchange(store, "gpu/where", rank, world_size, place, timeout)
     except TimeoutError as exc:
         raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
-    if choose(places) == "nccl":
+    picked = choose(places)
+    if picked == "nccl":
         return NCCLGroup(world_size, rank, group_name, store, timeout, host, options)
-    return SharedGpuGroup(
+    shared: dict[str, Any] = {"device": device, "buffers": buffers, "cupy": cupy}
+    if picked == "shared_gpu":
+        return SharedGpuGroup(world_size, rank, group_name, store, timeout, host, options, **shared)
+    if make_stages is None:
+
+        def make_stages(size: int, index: int, name: str, scoped: RendezvousStore) -> Stages:
+            return NCCLGroup(size, index, name, scoped, timeout, host, options)
+
+    return GpuHierarchyGroup(
         world_size,
         rank,
         group_name,
@@ -152,7 +153,8 @@ def connect_gpu_group(
         timeout,
         host,
         options,
-        device=device,
-        buffers=buffers,
-        cupy=cupy,
+        places=places,
+        make_stages=make_stages,
+        arrays=arrays,
+        **shared,
     )

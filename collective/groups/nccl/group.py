@@ -11,6 +11,7 @@ calls it makes with their arguments, which the launch then issues as one NCCL gr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from collective.groups.nccl.comm import NCCL_REDUCE_OPS, buffers_on, consecutive, per_device
@@ -24,6 +25,7 @@ from collective.types import (
     ArgumentValueError,
     BarrierOptions,
     BroadcastOptions,
+    ReduceOp,
     ReduceOptions,
     ReduceScatterOptions,
 )
@@ -50,6 +52,32 @@ class NCCLGroup(NcclPointToPoint):
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensors, in place."""
         return self._op("allreduce", options, *self._allreduce_parts(tensors, options))
+
+    def agree(
+        self, op: str, x: Any, root: int, reduce_op: ReduceOp | None, timeout: timedelta
+    ) -> None:
+        """Compare the signature of ``op`` on ``x`` among the ranks, on the caller's stream.
+
+        Nothing is written: the ranks allreduce the signature words of ``op`` (its
+        dtype, the element count and shape of ``x``, ``root`` and ``reduce_op``) as
+        each op's own check does (see ``mismatch``), even in a group that skips those
+        (``skip_agreement``). A group over several GPUs whose stages run on this one
+        compares the whole op here, once, instead of each stage's. A mismatch fails
+        the group on every rank at the latest at its next op, ``wait`` or watchdog
+        poll; nothing happens in a group of one rank, or during CUDA-graph capture.
+
+        Raises:
+            ArgumentTypeError: ``x`` is not a GPU buffer NCCL moves.
+
+        """
+        options = AllReduceOptions(timeout=timeout)
+        buffers = (x,)
+
+        def builder() -> tuple[Sequence[Any], Communicators, DeviceCalls]:
+            return buffers, self._comms_of(per_device(buffers, "tensor")), lambda *_: []
+
+        extra = (op, root, None if reduce_op is None else reduce_op._value_)
+        self._op("agree", options, buffers, extra, builder, (root, reduce_op), op)
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Block until every rank has entered the barrier: a one-element allreduce."""

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from collective.groups.nccl.comm import discard_group
 from collective.groups.nccl.mismatch import Check
 from collective.groups.nccl.watchdog import Marker
@@ -29,6 +31,9 @@ DeviceCalls = Callable[[int, Any, int], list[NcclCall]]
 
 LAUNCHES_KEPT = 256
 """How many launches a group keeps; the oldest goes first."""
+
+_H2D = 1
+"""``cudaMemcpyHostToDevice``."""
 
 _POINT_TO_POINT = frozenset({"send", "recv"})
 """The ops a group does not count among its collectives."""
@@ -123,3 +128,22 @@ def build(
         single = calls[0][0]
     counted = op not in _POINT_TO_POINT
     return Launch(op, devices, calls, streams, markers, single, signed, callers, counted)
+
+
+def signed(
+    cupy: Any, check: Check, words: np.ndarray, device: int, comm: Any, stream: int
+) -> Signed:
+    """Return the signature check of a launch: ``words`` put on GPU ``device``, reduced on ``comm``.
+
+    The words go up from pinned memory on ``stream``, the op's own, so they are in
+    place when the check's allreduce reads them: no host synchronisation, and no
+    ordering against any other stream.
+    """
+    cuda = cupy.cuda
+    pinned = cuda.alloc_pinned_memory(words.nbytes)
+    np.frombuffer(pinned, dtype=np.int64, count=words.size)[:] = words
+    with cuda.Device(device):
+        on_gpu = cupy.empty(words.size, dtype=np.int64)
+    ptr = int(on_gpu.data.ptr)
+    cuda.runtime.memcpyAsync(ptr, int(pinned.ptr), words.nbytes, _H2D, stream)
+    return Signed(check, (on_gpu, pinned), ptr, comm)

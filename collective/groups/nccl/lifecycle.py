@@ -37,8 +37,6 @@ from datetime import timedelta
 from itertools import chain
 from typing import Any
 
-import numpy as np
-
 from collective.frameworks.cuda_buffers import NCCL_DTYPES, CudaBuffer
 from collective.groups.base import BaseGroup
 from collective.groups.nccl import mismatch
@@ -52,7 +50,7 @@ from collective.groups.nccl.comm import (
     unavailable_reason,
 )
 from collective.groups.nccl.cuda import STREAMS, wait_events
-from collective.groups.nccl.launch import DeviceCalls, Launch, Signed
+from collective.groups.nccl.launch import DeviceCalls, Launch, Signed, signed
 from collective.groups.nccl.watchdog import Watch
 from collective.groups.progress import answer_wait
 from collective.groups.watch import FailureWatch
@@ -71,9 +69,6 @@ Communicators = Callable[[timedelta], list[Any]]
 
 Builder = Callable[[], tuple[Sequence[Any], Communicators, DeviceCalls]]
 """Checks an op's buffers once; returns its buffer per device, communicators and device calls."""
-
-_H2D = 1
-"""``cudaMemcpyHostToDevice``."""
 
 _ABORT_GRACE = timedelta(seconds=0.5)
 """How long ``abort`` lets kernels already launched finish before it aborts the communicators."""
@@ -130,6 +125,7 @@ class NcclLifecycle(BaseGroup):
         self._checks: dict[int, mismatch.Check] = {}
         self._issued, self._last_op = 0, ""  # collectives (not send, recv) issued; the last
         self._peers: FailureWatch | None = None
+        self._listeners: list[Callable[[CollectiveError], None]] = []
         if world_size > 1:
             count, last = (lambda: self._issued), (lambda: self._last_op)
             own = store.watcher()  # never waits behind an op's store reads
@@ -159,6 +155,18 @@ class NcclLifecycle(BaseGroup):
     def unavailable_reason(cls) -> str:
         """Return what is missing for the nccl backend, or "" if nothing is."""
         return unavailable_reason()
+
+    def on_failure(self, listener: Callable[[CollectiveError], None]) -> None:
+        """Have ``listener(error)`` called once, from whichever thread finds the group's failure.
+
+        A group built on this one (a group over several GPUs, whose leaders talk over
+        NCCL) breaks with it at once, even when the failure comes from the watchdog.
+        """
+        self._listeners.append(listener)
+
+    def fail(self, error: CollectiveError) -> None:
+        """Fail the group with ``error`` on this rank and tell the other ranks (see ``_fail``)."""
+        self._fail("nccl op", self.timeout, error)
 
     def skip_agreement(self) -> None:
         """Drop the signature check of each op: ``CheckedGroup`` compares every call itself."""
@@ -228,6 +236,8 @@ class NcclLifecycle(BaseGroup):
         if peers is not None:
             peers.report(str(error))
         release_communicators(self._cuda, comms, [], False, self.timeout)
+        for listener in self._listeners:
+            listener(error)
         return error
 
     # --- communicators and streams (the op lock is held) --------------------------------
@@ -307,23 +317,12 @@ class NcclLifecycle(BaseGroup):
         root: int,
         reduce_op: ReduceOp | None,
     ) -> Signed:
-        """Return the signature check of ``op`` on ``x``, its words put on GPU ``device``.
-
-        The words go up from pinned memory on ``stream``, the op's own, so they are in
-        place when the check's allreduce reads them: no host synchronisation, and no
-        ordering against any other stream.
-        """
+        """Return the signature check of ``op`` on ``x``, on GPU ``device`` (``launch.signed``)."""
         check = self._checks.get(device)
         if check is None:
             check = self._checks[device] = mismatch.Check(self._cupy, device)
         words = mismatch.words(op, x, root, reduce_op)
-        pinned = self._cuda.alloc_pinned_memory(words.nbytes)
-        np.frombuffer(pinned, dtype=np.int64, count=words.size)[:] = words
-        with self._cuda.Device(device):
-            on_gpu = self._cupy.empty(words.size, dtype=np.int64)
-        ptr = int(on_gpu.data.ptr)
-        self._cuda.runtime.memcpyAsync(ptr, int(pinned.ptr), words.nbytes, _H2D, stream)
-        return Signed(check, (on_gpu, pinned), ptr, comm)
+        return signed(self._cupy, check, words, device, comm, stream)
 
     def _mismatch(self) -> CollectiveError | None:
         """Read the finished signature checks (op lock held); fail the group on a mismatch.

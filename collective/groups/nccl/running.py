@@ -70,6 +70,7 @@ class NcclRunning(NcclLifecycle):
         extra: tuple[Any, ...],
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None = None,
+        check_as: str | None = None,
     ) -> Work:
         """Run ``op`` through its cached launch, building it on the first call of its signature.
 
@@ -77,10 +78,12 @@ class NcclRunning(NcclLifecycle):
         each one's current stream, which the op runs on or follows); ``extra`` the
         arguments besides the buffers that change the calls (root, reduction);
         ``signed`` the root and reduction of a collective whose signature the ranks
-        compare (see ``mismatch``), None for an op they do not.
+        compare (see ``mismatch``), None for an op they do not. With ``check_as``, the
+        ranks compare the signature of that op instead, even where the group skips
+        its own checks (``agree``).
         """
         timeout = options.timeout or self.timeout
-        launch, _ = self._launch(op, options, buffers, extra, builder, signed)
+        launch, _ = self._launch(op, options, buffers, extra, builder, signed, check_as)
         if options.async_op:
             return self._run_async(launch, timeout, *buffers)
         self._run(launch, timeout)
@@ -94,6 +97,7 @@ class NcclRunning(NcclLifecycle):
         extra: tuple[Any, ...],
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None = None,
+        check_as: str | None = None,
     ) -> tuple[Launch, bool]:
         """Return the launch of a call of ``op`` (see ``_op``), and whether it is kept."""
         key = (op, options.async_op, extra, tuple(map(cuda_buffers.launch_key, buffers)))
@@ -101,7 +105,7 @@ class NcclRunning(NcclLifecycle):
         if launch is not None:
             return launch, True
         timeout = options.timeout or self.timeout
-        return self._build(key, op, options.async_op, timeout, builder, signed)
+        return self._build(key, op, options.async_op, timeout, builder, signed, check_as)
 
     key_of = staticmethod(cuda_buffers.launch_key)
     """Return ``x``'s ``cuda_buffers.launch_key``: its description and the caller's stream."""
@@ -159,6 +163,7 @@ class NcclRunning(NcclLifecycle):
         timeout: timedelta,
         builder: Builder,
         signed: tuple[int, ReduceOp | None] | None,
+        check_as: str | None = None,
     ) -> tuple[Launch, bool]:
         """Check the buffers, make the communicators if new, and build (and keep) the launch.
 
@@ -183,13 +188,13 @@ class NcclRunning(NcclLifecycle):
                 check = None
                 if (
                     signed is not None
-                    and self._checking
+                    and (self._checking or check_as is not None)
                     and self.world_size > 1
                     and len(devices) == 1
                     and not capturing
                 ):
                     first = (device_buffers[0], devices[0], comms[0], streams[0])
-                    check = self._signed(op, *first, *signed)
+                    check = self._signed(check_as or op, *first, *signed)
                 launch = build(op, devices, comms, streams, device_calls, markers, check, callers)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
@@ -208,7 +213,8 @@ class NcclRunning(NcclLifecycle):
         ``x``, the public call's buffer, is unused: the launch holds its address.
 
         Outside capture, the op's signature check reads the last finished result of
-        its ring first, then goes just ahead of the op.
+        its ring first, then goes just ahead of the op; in a group that skips its ops'
+        checks, the op reads the results of the agreements issued before it.
         """
         with self._op_lock:
             if not self._open:
@@ -221,6 +227,10 @@ class NcclRunning(NcclLifecycle):
                     if found is not None:
                         raise self._mismatched(found)
                     signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
+                elif self._checks and not self._checking and not capturing:
+                    failed = self._mismatch()  # the agreements (``agree``) issued before
+                    if failed is not None:
+                        raise failed
                 if single is not None:
                     single[0](*single[1])
                 else:

@@ -108,6 +108,7 @@ class DeviceSlots:
         try:
             size = nbuf * self.stride + n * mail_nbuf * self.mail_stride
             self._own_memory = device.alloc(size)
+            device.synchronize()  # the zero fill runs on the legacy stream: done before any use
             for kind, count in self._kinds(local_rank):
                 for events in kind:
                     for _ in range(count):

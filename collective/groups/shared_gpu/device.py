@@ -19,6 +19,7 @@ that the step protocol runs in real processes on a machine without a GPU.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 MEMORY_HANDLE_BYTES = 64
@@ -91,6 +92,18 @@ class Device(Protocol):
     def synchronize(self) -> None:
         """Wait until every stream of this process's current device is idle."""
         ...
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the work queued on the streams ops ran on; say if done.
+
+        Unlike ``synchronize`` it never waits forever: a stream that waits on the
+        event of a peer that died may never go idle.
+        """
+        ...
+
+
+_NOT_READY = 600
+"""``cudaErrorNotReady``: what ``cudaEventQuery`` returns for work not yet done."""
 
 
 class _Handle:
@@ -220,7 +233,11 @@ class CudaDevice:
         """
         wrapped = self._streams.get(stream)
         if wrapped is None:
-            wrapped = self._cupy.cuda.Stream.from_external(_Handle(stream))
+            cuda = self._cupy.cuda
+            if hasattr(cuda.Stream, "from_external"):
+                wrapped = cuda.Stream.from_external(_Handle(stream))
+            else:  # cupy before 14
+                wrapped = cuda.ExternalStream(stream, self.device_id)
             self._streams[stream] = wrapped
         return _Current(self._cupy.cuda.Device(self.device_id), wrapped)
 
@@ -228,6 +245,29 @@ class CudaDevice:
         """Call ``cudaDeviceSynchronize`` on this GPU."""
         with self._on_gpu():
             self._runtime.deviceSynchronize()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Record an event on every stream ops ran on; poll them until done or ``timeout_s``."""
+        runtime = self._runtime
+        deadline = time.monotonic() + timeout_s
+        events: list[int] = []
+        with self._on_gpu():
+            try:
+                for stream in list(self._streams):
+                    events.append(int(runtime.eventCreateWithFlags(runtime.eventDisableTiming)))
+                    runtime.eventRecord(events[-1], stream)
+                pending = list(events)
+                while pending:
+                    if runtime.eventQuery(pending[-1]) == _NOT_READY:
+                        if time.monotonic() > deadline:
+                            return False
+                        time.sleep(0.001)
+                    else:
+                        pending.pop()
+                return True
+            finally:
+                for event in events:
+                    runtime.eventDestroy(event)
 
     def _on_gpu(self) -> Any:
         """Return cupy's context that makes this GPU current (teardown may run on any thread)."""

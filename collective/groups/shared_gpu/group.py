@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from collective.frameworks import device_arrays
 from collective.frameworks.bytelist import ByteList
 from collective.frameworks.cuda_buffers import CudaBuffer
 from collective.groups.shared_gpu.running import SharedGpuRunning
@@ -103,7 +104,7 @@ class SharedGpuGroup(SharedGpuRunning):
         transport, _ = self._collectives()
         root = options.root_rank
         stream = self._stream("broadcast", tensors)
-        staged: list[Callable[[], None]]
+        staged: list[tuple[Any, Callable[[], None]]]
         if isinstance(tensors, ByteList):
             message, staged, held = tensors, [], [tensors]
         else:
@@ -111,15 +112,16 @@ class SharedGpuGroup(SharedGpuRunning):
 
         def body(deadline: float) -> None:
             transport.broadcast_list(message, root, deadline)
-            for write_back in staged:
-                write_back()
+            for tensor, write_back in staged:  # on the op's stream, from a lane thread too
+                with device_arrays.on_stream(tensor, stream):
+                    write_back()
             held.clear()  # the buffers and staged copies lived until the copies were issued
 
         return self._submit("broadcast", options, stream, body)
 
     def _message(
         self, tensors: Sequence[Any], root: int
-    ) -> tuple[ByteList, list[Callable[[], None]], list[Any]]:
+    ) -> tuple[ByteList, list[tuple[Any, Callable[[], None]]], list[Any]]:
         """Return ``tensors`` as one message, what writes back the staged ones, and the buffers.
 
         A tensor that is not contiguous (or a torch tensor with its negative bit set)
@@ -136,7 +138,7 @@ class SharedGpuGroup(SharedGpuRunning):
                 held.append(copy)
                 bufs.append(buffers.describe(copy, name))
                 if self.rank != root:
-                    staged.append(write_back)
+                    staged.append((t, write_back))
         message = ByteList.at([b.ptr for b in bufs], [b.nbytes for b in bufs])
         return message, staged, held
 

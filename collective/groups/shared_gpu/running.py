@@ -90,11 +90,12 @@ class SharedGpuRunning(BaseGroup):
         buffers: Buffers,
         cupy: Any = None,
         slot_bytes: int | None = None,
+        local_ranks: Sequence[int] | None = None,
     ) -> None:
-        """Connect the transport among every rank; blocks until all have arrived.
+        """Connect the transport among the ranks on this GPU; blocks until all have arrived.
 
         Args:
-            world_size: the number of ranks, all on this GPU.
+            world_size: the number of ranks of the group.
             rank: this rank.
             group_name: the group's name.
             store: where the ranks meet.
@@ -106,6 +107,7 @@ class SharedGpuRunning(BaseGroup):
             cupy: the cupy module, for reductions on the device (None: numpy's ufuncs,
                 for host stand-ins in tests).
             slot_bytes: the device slot size; None picks one.
+            local_ranks: the group's ranks on this GPU, ascending (None: every rank).
 
         Raises:
             CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
@@ -118,14 +120,15 @@ class SharedGpuRunning(BaseGroup):
         self._lanes = Lanes(group_name)
         self._views: dict[tuple[int, int], Any] = {}
         self._transport: SharedGpu | None = None
+        local = list(range(world_size)) if local_ranks is None else list(local_ranks)
         try:
             self._transport = SharedGpu(
                 device,
                 store,
-                list(range(world_size)),
-                rank,
+                local,
+                local.index(rank),
                 timeout,
-                prefix=f"gpu/{group_name}/shared",
+                prefix=f"gpu/{group_name}/shared/{local[0]}",
                 slot_bytes=slot_bytes,
                 cupy=cupy,
                 interrupted=self._interrupted,
@@ -238,8 +241,10 @@ class SharedGpuRunning(BaseGroup):
 
     def _raise_failure(self, op: str, timeout: timedelta, exc: BaseException) -> NoReturn:
         """Raise what the caller sees of ``exc``, which ended ``op``; see ``caller_error``."""
+        transport = self._transport
+        ranks = list(range(self.world_size)) if transport is None else transport.ranks
         error, breaks = caller_error(
-            exc, op, self.group_name, self.rank, timeout, int, self._laggards
+            exc, op, self.group_name, self.rank, timeout, ranks.__getitem__, self._laggards
         )
         if breaks and self._aborted is not None:
             error = self._aborted_error(op)
@@ -268,15 +273,15 @@ class SharedGpuRunning(BaseGroup):
         transport = self._transport
         if transport is None or transport.arena is None or transport.steps is None:
             return "the group was closed"
-        op = transport.steps.op
+        op, ranks = transport.steps.op, transport.ranks
         counts = {
-            r: int(transport.arena.control[r, OP_SEQ])
-            for r in range(self.world_size)
+            r: int(transport.arena.control[i, OP_SEQ])
+            for i, r in enumerate(ranks)
             if r != self.rank
         }
         line = progress.describe(self.rank, op, counts, [], "")
-        if stalled is not None and counts.get(stalled, 0) >= op:
-            line += f"; rank {stalled} joined it but did not take its step in time"
+        if stalled is not None and counts.get(ranks[stalled], 0) >= op:
+            line += f"; rank {ranks[stalled]} joined it but did not take its step in time"
         return line
 
     # --- teardown ----------------------------------------------------------------------------

@@ -22,7 +22,11 @@ consumed the slot, so a waiter never sees a later step's record in its place.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from collective.groups.shared_gpu.arena import DeviceSlots
 from collective.groups.shm.arena import Arena
@@ -80,6 +84,17 @@ class DeviceSteps(Steps):
         """Record that this rank has read every slot of ``step``, then announce it."""
         self._device.record(self._consumed[self.rank][step % self.nbuf], self.stream)
         super().done(step)
+
+    def put(self, target: Any, values: np.ndarray) -> None:
+        """Write the host array ``values`` into ``target``, a part of a device slot.
+
+        cupy fills a device array from a scalar only: the values go up through
+        ``cupy.asarray``, on the current stream, which is the op's.
+        """
+        if isinstance(target, np.ndarray):
+            target[...] = values
+        else:
+            target[...] = sys.modules["cupy"].asarray(values)
 
     def release(self) -> None:
         """Drop every view of the host arena and of the device slots; no step may follow."""

@@ -13,6 +13,9 @@ from its pid, and ``abort`` stops every local peer's waits at once.
 from __future__ import annotations
 
 import os
+import threading
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from datetime import timedelta
@@ -27,7 +30,7 @@ from collective.groups.shared_gpu.reduce import DeviceReducer
 from collective.groups.shared_gpu.steps import DeviceSteps
 from collective.groups.shm import arena as shm_arena
 from collective.groups.shm.algorithms import Collectives
-from collective.groups.shm.arena import PID, Arena, Layout
+from collective.groups.shm.arena import PID, UNMAPPED, Arena, Layout
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.lists import broadcast_list
 from collective.groups.shm.sync import Counter, Liveness, Waiter
@@ -52,6 +55,12 @@ MAIL_NBUF = 2
 
 CLOSE_WAIT_S = 5.0
 """The longest ``close`` waits for the other ranks to unmap this rank's slots."""
+
+SETTLE_S = 5.0
+"""The longest ``close`` waits for this rank's queued device work before it unmaps."""
+
+REAP_S = 600.0
+"""How long slots a late peer still maps wait to be freed, from a thread, after ``close``."""
 
 T = TypeVar("T")
 
@@ -119,7 +128,7 @@ class SharedGpu:
         self._prefix = prefix
         self._timeout = timeout
         self._cupy = cupy
-        self._reducers: dict[tuple[ReduceOp, str], Reducer] = {}
+        self._reducers: dict[tuple[ReduceOp, str, int], Reducer] = {}
         self.arena: Arena | None = None
         self.liveness: Liveness | None = None
         self.slots: DeviceSlots | None = None
@@ -165,15 +174,20 @@ class SharedGpu:
         self.collectives = Collectives(self.steps, reduce_block_bytes=slot_bytes)
         self.mail = DeviceSendRecv(self.arena, self.local_rank, self.waiter, self.slots)
 
-    def reducer(self, op: ReduceOp, dtype: str) -> Reducer:
-        """Return the reducer of ``op`` on ``dtype``, made once per pair."""
-        made = self._reducers.get((op, dtype))
+    def reducer(self, op: ReduceOp, dtype: str, divisor: int | None = None) -> Reducer:
+        """Return the reducer of ``op`` on ``dtype``, made once per pair.
+
+        Its AVG divides by ``divisor``: the ranks on this GPU by default, the whole
+        group's for a group over several GPUs, whose stages sum.
+        """
+        divisor = self.size if divisor is None else divisor
+        made = self._reducers.get((op, dtype, divisor))
         if made is None:
             if self._cupy is None:
-                made = Reducer(op, dtype, self.size)
+                made = Reducer(op, dtype, divisor)
             else:
-                made = DeviceReducer(op, dtype, self.size, self._cupy)
-            self._reducers[(op, dtype)] = made
+                made = DeviceReducer(op, dtype, divisor, self._cupy)
+            self._reducers[(op, dtype, divisor)] = made
         return made
 
     def run(self, stream: int, op: Callable[..., T], *args: Any, collective: bool = True) -> T:
@@ -223,40 +237,95 @@ class SharedGpu:
         self._release(wait_s=min(CLOSE_WAIT_S, self._timeout.total_seconds()))
 
     def _release(self, wait_s: float) -> None:
-        """Release what was made; wait up to ``wait_s`` for the peers to unmap our slots."""
-        with ExitStack() as stack:
-            if self.arena is not None:
-                stack.callback(self._close_arena)
-            if self.liveness is not None:
-                stack.callback(self.liveness.close)
-            slots = self.slots
-            if slots is not None:
-                stack.callback(slots.free_own)
-                self.device.synchronize()
-                slots.close_peers()
-                if wait_s > 0:
-                    self._closed_together(wait_s)
-            if self.steps is not None:
-                self.steps.release()
-            if self.mail is not None:
-                self.mail.release()
-            if self.waiter is not None:
-                self.waiter.release()
-        self.slots = self.steps = self.collectives = self.waiter = self.mail = None
-        self.liveness = None
+        """Release what was made; wait up to ``wait_s`` for the peers to unmap our slots.
 
-    def _closed_together(self, wait_s: float) -> None:
-        """Wait up to ``wait_s`` until every live local rank has unmapped the others' slots."""
-        key = f"{self._prefix}/closed"
+        This rank unmaps the peers' slots once its own queued device work is done, and
+        says so in its control block; it frees its own once every other rank has said
+        so or died. A peer that closes later than ``wait_s`` leaves that to a thread
+        (``_free_later``), which keeps the host arena to read it.
+        """
+        arena, liveness, slots = self.arena, self.liveness, self.slots
+        later = False
         try:
-            topology.exchange(
-                self._store, key, self.local_rank, self.size, True, timedelta(seconds=wait_s)
-            )
-        except (TimeoutError, OSError, RuntimeError):
-            return
+            with ExitStack() as stack:
+                if slots is not None and self._settled(wait_s):
+                    slots.close_peers()
+                    if arena is not None:
+                        arena.control[self.local_rank, UNMAPPED] = 1
+                    if wait_s <= 0 or arena is None or liveness is None:
+                        stack.callback(slots.free_own)
+                    elif self._unmapped(arena, liveness, time.monotonic() + wait_s):
+                        stack.callback(slots.free_own)
+                    else:
+                        later = True
+                        self._free_later(slots, arena, liveness)
+                if self.steps is not None:
+                    self.steps.release()
+                if self.mail is not None:
+                    self.mail.release()
+                if self.waiter is not None:
+                    self.waiter.release()
+        finally:
+            if not later:
+                if arena is not None:
+                    self._close_arena(arena)
+                if liveness is not None:
+                    liveness.close()
+            self.arena = self.liveness = None
+            self.slots = self.steps = self.collectives = self.waiter = self.mail = None
 
-    def _close_arena(self) -> None:
-        arena, self.arena = self.arena, None
-        if arena is not None:
-            shm_arena.unlink(arena.path)
-            arena.close()
+    def _settled(self, wait_s: float) -> bool:
+        """Return whether this rank's queued device work finished within ``SETTLE_S``.
+
+        Work still queued (a stream waiting on the event of a peer that died) may use
+        the slots: they are then left mapped and allocated, never freed under it.
+        """
+        if self.device.settle(max(wait_s, SETTLE_S)):
+            return True
+        warnings.warn(
+            f"GPU work of the group's rank {self.ranks[self.local_rank]} did not finish "
+            f"within {max(wait_s, SETTLE_S):.0f} s of its destroy: its device slots are left "
+            "allocated, and the peers' left mapped",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+
+    def _unmapped(self, arena: Arena, liveness: Liveness, deadline: float) -> bool:
+        """Wait until ``deadline`` for every other rank to unmap this rank's slots, or die."""
+        others = [r for r in range(self.size) if r != self.local_rank]
+        while True:
+            waiting = [r for r in others if not arena.control[r, UNMAPPED] and liveness.alive(r)]
+            if not waiting:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+    def _free_later(self, slots: DeviceSlots, arena: Arena, liveness: Liveness) -> None:
+        """Free ``slots`` from a thread once the peers unmapped them or died (within ``REAP_S``)."""
+        me = self.ranks[self.local_rank]
+
+        def reap() -> None:
+            try:
+                if self._unmapped(arena, liveness, time.monotonic() + REAP_S):
+                    slots.free_own()
+                else:
+                    warnings.warn(
+                        f"rank {me}'s device slots stay allocated: a rank sharing its GPU "
+                        f"still mapped them {REAP_S:.0f} s after the destroy",
+                        RuntimeWarning,
+                        stacklevel=1,
+                    )
+            except Exception as exc:  # a thread of its own: nobody to raise to
+                warnings.warn(f"freeing device slots failed: {exc!r}", RuntimeWarning, stacklevel=1)
+            finally:
+                self._close_arena(arena)
+                liveness.close()
+
+        threading.Thread(target=reap, name="collective-free-slots", daemon=True).start()
+
+    @staticmethod
+    def _close_arena(arena: Arena) -> None:
+        shm_arena.unlink(arena.path)
+        arena.close()

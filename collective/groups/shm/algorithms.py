@@ -356,9 +356,8 @@ class Collectives:
         steps.begin("alltoall", dtype)
         step = steps.next()
         steps.free(step, deadline)
-        mine = steps.slot(step)[: 16 * n].view(np.int64)
-        mine[:n] = [x.size for x in inputs]
-        mine[n:] = [x.size for x in outputs]
+        sizes = np.array([x.size for x in inputs] + [x.size for x in outputs], dtype=np.int64)
+        steps.put(steps.slot(step)[: 16 * n].view(np.int64), sizes)
         steps.post(step)
         steps.collect_all(step, deadline)
         table = np.stack([steps.peer_slot(r, step)[: 16 * n].view(np.int64) for r in range(n)])

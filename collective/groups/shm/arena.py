@@ -62,7 +62,9 @@ SLOT_BYTES_ENV = "COLLECTIVE_SHM_SLOT_BYTES"
 """Overrides the slot size (bytes, a multiple of 64); small values exercise chunking."""
 
 # Words of a rank's control block.
-POSTED, CONSUMED, PID, OP_SEQ = 0, 1, 2, 3
+POSTED, CONSUMED, PID, OP_SEQ, UNMAPPED = 0, 1, 2, 3, 4
+"""``UNMAPPED``: set by a rank of a group that shares a GPU once it unmapped the others'
+device slots, so that they may free theirs."""
 FLAGS_OFFSET = 64
 """Byte offset, in a control block, of the sleep flags: ``align(L)`` bytes per counter."""
 

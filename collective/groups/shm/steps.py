@@ -168,6 +168,10 @@ class Steps:
         """Return ``rank``'s slot for ``step``."""
         return self.slots[rank][step % self.nbuf]
 
+    def put(self, target: np.ndarray, values: np.ndarray) -> None:
+        """Write the host array ``values`` into ``target``, a part of a slot."""
+        target[...] = values
+
     def free(self, step: int, deadline: float) -> None:
         """Wait until every other rank has consumed what this rank wrote ``nbuf`` steps ago."""
         target = step - self.nbuf + 1
