@@ -4,6 +4,9 @@ Usage: python -m benchmarks [--quick] [--sizes 8,4K,1M] [--ops allreduce,allgath
        [--world-sizes 2,4] [--impls collective,collective_gloo,torch_gloo,...]
        [--iters N] [--warmup N] [--batch N] [--probe-ops N] [--json PATH] [--plot PATH]
        [--markdown PATH]
+
+Before its ops it measures the machine's memory bandwidth (``benchmarks.membw``, about
+a second), which its JSON records and its bus-bandwidth figures draw as a bound.
 """
 
 from __future__ import annotations
@@ -216,6 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = arguments(argv)
     start = time.monotonic()
+    from benchmarks import membw
+
+    counts = membw.counts_for(args.world_sizes)
+    copy_rates = membw.measure(membw.SIZE, counts, membw.ROUNDS)
+    bandwidth = membw.as_meta(
+        membw.SIZE,
+        membw.ROUNDS,
+        copy_rates,
+        f"python -m benchmarks.membw --processes {','.join(map(str, counts))}",
+        "in this run (python -m benchmarks), before its ops",
+    )
     ray.init(
         address="local",
         num_cpus=2,
@@ -232,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if probes:
         print("\n" + report.latency_table(probes))
     print("\n" + goals.text(verdicts))
+    print("\n" + "\n".join(membw.lines(membw.SIZE, membw.ROUNDS, copy_rates)))
     import torch
 
     meta = {
@@ -244,11 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.monotonic() - start, 1),
         "unavailable": unavailable,
+        "membw": bandwidth,
     }
     data = {"meta": meta, "results": records, "latency": probes, "goals": goals.as_json(verdicts)}
     if args.json:
         report.write_json(args.json, data)
-    figures = plots.busbw(args.plot, records) if args.plot else []
+    figures = plots.busbw(args.plot, records, bandwidth) if args.plot else []
     if args.markdown:
         names = [(path.name, ops) for path, ops in figures]
         args.markdown.write_text(report.markdown(data, goals.text(verdicts), names))

@@ -5,7 +5,12 @@ at least 11 pt at a width that the page shows at about its own size. Small messa
 drawn as time per op (a log axis: they span three decades), large ones as bus bandwidth
 on a linear axis from zero, split at ``LARGE``. Each line is named at its end, in its
 colour (direct labels, spread so that no two overlap), and has a marker of its own;
-the plain copies are a dashed grey peer, not a bound. ``python -m benchmarks`` and
+the plain copies are a dashed grey peer, not a bound. Where the run records the
+machine's memory bandwidth (``meta["membw"]``), a bus-bandwidth panel draws the bound it
+sets as a black line with the unreachable region above it hatched, labelled with its
+value: every byte that crosses between ranks is copied at least once, so the op's bus
+bandwidth is at most the measured copy rate of all the ranks together over the ranks'
+worth of bus bytes that cross (``report.membw_bound``). ``python -m benchmarks`` and
 ``python -m benchmarks.bulk`` draw them from their runs; ``python -m benchmarks.replot``
 redraws the committed ones from the committed JSON, measuring nothing.
 """
@@ -28,8 +33,10 @@ from benchmarks.report import (
     RAY,
     STORE,
     TORCH,
+    Bound,
     human,
     human_bytes,
+    membw_bound,
 )
 
 LABELS = {
@@ -53,6 +60,9 @@ LARGE = 1 << 20
 
 LABEL_GAP = 0.085
 """The least distance between two direct labels, in a panel's height."""
+
+BOUND_ROOM = 0.25
+"""The part of a bus-bandwidth panel's height above the memory-bandwidth bound: its label."""
 
 BULK_LABELS = {
     OURS: "collective, one call",
@@ -129,7 +139,7 @@ def direct_labels(ax: Any) -> None:
     ends = []
     for line in ax.get_lines():
         xs, ys = line.get_xdata(), line.get_ydata()
-        if len(xs):
+        if len(xs) and not line.get_label().startswith("_"):
             _, y = ax.transAxes.inverted().transform(ax.transData.transform((xs[-1], ys[-1])))
             ends.append((float(y), line.get_label(), line.get_color()))
     ends.sort()
@@ -185,22 +195,54 @@ def bus_bandwidth(r: Record) -> float:
     return algbw * workloads.BUS_FACTOR[r["op"]](r["world_size"])
 
 
-def bandwidth_panel(ax: Any, records: list[Record]) -> None:
-    """Draw the bus bandwidth of ``records`` against size, on a linear axis from zero."""
+def bound_label(bound: Bound) -> str:
+    """Return the memory-bandwidth bound's label: its value and the measured rate it comes from."""
+    shared = f" / {bound.copies}" if bound.copies > 1 else ""
+    return (
+        f"memory-bandwidth bound, {bound.gbs:.1f} GB/s\n"
+        f"(measured copy rate {bound.copy_gbs:.1f} GB/s{shared})"
+    )
+
+
+def bandwidth_panel(ax: Any, records: list[Record], bound: Bound | None = None) -> None:
+    """Draw the bus bandwidth of ``records`` against size, on a linear axis from zero.
+
+    With ``bound``, draw the memory-bandwidth bound: a black line, the region above it
+    hatched, and its value written there.
+    """
     lines(ax, records, bus_bandwidth)
-    ax.set_ylim(0, max((bus_bandwidth(r) for r in records), default=1.0) * 1.1)
+    top = max((bus_bandwidth(r) for r in records), default=1.0) * 1.1
+    if bound is not None:
+        top = max(top, bound.gbs / (1 - BOUND_ROOM))
+        ax.axhspan(bound.gbs, top, facecolor="0.94", edgecolor="0.8", hatch="//", lw=0, zorder=0)
+        ax.axhline(bound.gbs, color="black", lw=2, zorder=1, label="_memory-bandwidth bound")
+        ax.annotate(
+            bound_label(bound),
+            xy=(0.03, bound.gbs),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 4),
+            textcoords="offset points",
+            va="bottom",
+            fontsize=11,
+            bbox={"facecolor": "0.94", "edgecolor": "none", "pad": 1},
+        )
+    ax.set_ylim(0, top)
     ax.set_ylabel("bus bandwidth (GB/s)")
 
 
-def split_panels(title: str, records: list[Record]) -> list[Panel]:
-    """Return a time panel of ``records`` below ``LARGE`` and a bandwidth panel of the rest."""
+def split_panels(title: str, records: list[Record], bound: Bound | None = None) -> list[Panel]:
+    """Return a time panel of ``records`` below ``LARGE`` and a bandwidth panel of the rest.
+
+    The bandwidth panel draws ``bound``, the memory-bandwidth bound, where there is one.
+    """
     small = [r for r in records if r["size"] < LARGE]
     large = [r for r in records if r["size"] >= LARGE]
     panels: list[Panel] = []
     if small:
-        panels.append((f"{title}: below {human(LARGE)}", lambda ax: latency_panel(ax, small)))
+        panels.append((f"{title}: below {human(LARGE)}", partial(latency_panel, records=small)))
     if large:
-        panels.append((f"{title}: {human(LARGE)} and up", lambda ax: bandwidth_panel(ax, large)))
+        draw = partial(bandwidth_panel, records=large, bound=bound)
+        panels.append((f"{title}: {human(LARGE)} and up", draw))
     return panels
 
 
@@ -246,10 +288,17 @@ def panels_figure(
     figure(path, [(title, draw(records)) for title, records in panels])
 
 
-def times(path: Path, results: dict[str, Any], op: str = "allreduce") -> bool:
+def times(
+    path: Path,
+    results: dict[str, Any],
+    op: str = "allreduce",
+    membw: dict[str, Any] | None = None,
+) -> bool:
     """Draw ``op``: small messages' time per op, large ones' bus bandwidth, a row per world size.
 
-    Returns False, drawing nothing, when the run has no ``op`` or matplotlib is missing.
+    With ``membw`` (a run's ``meta["membw"]``), the bandwidth panels draw the bound it
+    sets. Returns False, drawing nothing, when the run has no ``op`` or matplotlib is
+    missing.
     """
     records = [r for r in results.get("results", []) if r["op"] == op]
     try:
@@ -262,7 +311,11 @@ def times(path: Path, results: dict[str, Any], op: str = "allreduce") -> bool:
     panels = [
         panel
         for n in world_sizes
-        for panel in split_panels(f"{op}, {n} ranks", [r for r in records if r["world_size"] == n])
+        for panel in split_panels(
+            f"{op}, {n} ranks",
+            [r for r in records if r["world_size"] == n],
+            membw_bound(membw, op, n),
+        )
     ]
     figure(path, panels)
     return True
@@ -281,12 +334,15 @@ def figure_paths(path: Path, count: int) -> list[Path]:
     return [path] + [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(2, count + 1)]
 
 
-def busbw(path: Path, records: list[Record]) -> list[tuple[Path, list[str]]]:
+def busbw(
+    path: Path, records: list[Record], membw: dict[str, Any] | None = None
+) -> list[tuple[Path, list[str]]]:
     """Draw the bus bandwidth of messages of ``LARGE`` and up, a panel per op and world size.
 
     ``MAX_PANELS`` panels a figure; smaller messages are in the tables, as times, and a
-    panel of a run without large messages shows its times. Returns each figure's file
-    and ops, the first in ``path``.
+    panel of a run without large messages shows its times. With ``membw``, the run's
+    ``meta["membw"]``, each bandwidth panel draws the bound it sets. Returns each
+    figure's file and ops, the first in ``path``.
     """
     groups = op_groups(records)
     drawn = []
@@ -297,7 +353,9 @@ def busbw(path: Path, records: list[Record]) -> list[tuple[Path, list[str]]]:
                 rows = [r for r in records if (r["op"], r["world_size"]) == (op, n)]
                 large = [r for r in rows if r["size"] >= LARGE]
                 if large:
-                    panels.append((f"{op}, {n} ranks", partial(bandwidth_panel, records=large)))
+                    bound = membw_bound(membw, op, n)
+                    draw = partial(bandwidth_panel, records=large, bound=bound)
+                    panels.append((f"{op}, {n} ranks", draw))
                 elif rows:
                     panels.append((f"{op}, {n} ranks", partial(latency_panel, records=rows)))
         figure(file, panels)

@@ -4,7 +4,10 @@ Usage: python -m benchmarks.replot [FOLDER]   (default docs/performance)
 
 Reads ``results.json`` and ``bulk.json`` in ``FOLDER``; writes the bus-bandwidth figures
 (``busbw.png``, ``busbw-2.png``, ...), ``bulk.png``, ``results.md`` and ``bulk.md`` there,
-as the runs that made the JSON would with today's plotting and wording.
+as the runs that made the JSON would with today's plotting and wording. The figures draw
+the memory-bandwidth bound where ``results.json`` records the machine's memory bandwidth;
+``python -m benchmarks.membw --json FOLDER/results.json`` measures it and adds it to a
+file that lacks it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     results_json = folder / "results.json"
     if results_json.is_file():
         data = json.loads(results_json.read_text())
-        figures = plots.busbw(folder / "busbw.png", data["results"])
+        membw = data["meta"].get("membw")
+        figures = plots.busbw(folder / "busbw.png", data["results"], membw)
         verdicts = goals.evaluate(data["results"], data.get("latency", []))
         names = [(path.name, ops) for path, ops in figures]
         (folder / "results.md").write_text(report.markdown(data, goals.text(verdicts), names))

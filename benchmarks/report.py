@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ COPY = "shm_copy"
 
 It is a peer, not a bound: it makes its own copies, in its own order, and a group that
 makes fewer copies beats it. What bounds a large op on one node is memory bandwidth
-(``python -m benchmarks.membw``).
+(``python -m benchmarks.membw``, ``membw_bound``).
 """
 LOOP = "collective_loop"
 """The many-tensor run's per-tensor loop of our ops."""
@@ -162,6 +165,68 @@ def latency_table(probes: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+BUS_COPIES: dict[str, Callable[[int], int]] = {
+    "allreduce": lambda n: n,
+    "broadcast": lambda n: n - 1,
+    "reduce": lambda n: n - 1,
+    "allgather": lambda n: n,
+    "gather": lambda n: 1,
+    "reducescatter": lambda n: n,
+    "scatter": lambda n: 1,
+    "alltoall": lambda n: n,
+}
+"""The bytes an op of ``n`` ranks must move from rank to rank, in all, in one rank's bus bytes.
+
+For ``S`` bytes (nccl-tests' sizes) a rank's bus bytes are ``BUS_FACTOR * S``, and at
+least this many bytes cross from one rank to another: allreduce ``2(n-1)S`` (combining
+``n`` values takes ``n-1`` crossings, and the result reaches the ``n-1`` other ranks),
+broadcast ``(n-1)S`` (``S`` to each other rank), reduce ``(n-1)S`` (combining ``n``
+values), allgather, reducescatter and alltoall ``(n-1)S`` (``(n-1)/n S`` at each rank),
+gather and scatter ``(n-1)/n S`` (at the root). Divided by the bus bytes, that is ``n``,
+``n-1`` or 1.
+"""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The memory-bandwidth bound of one op and world size, and what it comes from."""
+
+    copy_gbs: float
+    """The measured copy rate of all the ranks together (GB/s)."""
+    copies: int
+    """The op's ``BUS_COPIES``: the rate is shared by this many ranks' bus bytes."""
+
+    @property
+    def gbs(self) -> float:
+        """The most bus bandwidth memory allows the op, in GB/s."""
+        return self.copy_gbs / self.copies
+
+
+def membw_bound(membw: dict[str, Any] | None, op: str, world_size: int) -> Bound | None:
+    """Return the most bus bandwidth memory allows ``op`` of ``world_size`` ranks.
+
+    ``membw`` is a results file's ``meta["membw"]`` (``python -m benchmarks.membw``). On
+    one node the ranks' tensors are their own memory, so every byte that crosses from one
+    rank to another is read once and written once (into a shared segment, or by the
+    kernel into the other rank): at least one copy. All the ranks together copy at most
+    ``A`` bytes a second, the fastest round measured with as many processes as the ranks
+    have cores for (or fewer, if fewer were faster). An op then takes at least
+    ``BUS_COPIES * busbytes / A``, so its bus bandwidth is at most ``A / BUS_COPIES``:
+    ``A / n`` for allreduce, ``A / (n-1)`` for broadcast. It holds for messages larger
+    than the caches, as the measured copies are (smaller ones can copy faster), and while
+    the machine copies as fast as it did when measured: other jobs share its memory, so
+    the rate moves between sittings, and the fastest round is the one taken. Returns None
+    where ``membw`` lacks the process count or no byte crosses (one rank).
+    """
+    if not membw or world_size < 2:
+        return None
+    rates = {r["processes"]: r["fastest"] for r in membw["copy_gbs"]}
+    if min(world_size, membw["cpus"]) not in rates:
+        return None
+    fastest = max(rate for p, rate in rates.items() if p <= world_size)
+    return Bound(fastest, BUS_COPIES[op](world_size))
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write the run's description, records, latency probes and goals to ``path``."""
     path.write_text(json.dumps(data, indent=2) + "\n")
@@ -180,6 +245,7 @@ def markdown(data: dict[str, Any], goals_text: str, figures: list[tuple[str, lis
         f"torch {meta['torch']}, Ray {meta['ray']}.",
         f"- Command: `{meta['command']}` ({meta['seconds']} s).",
         *HOW_TO_READ,
+        *membw_lines(meta.get("membw")),
     ]
     lines += [f"- {impl}: {why}" for impl, why in sorted(meta["unavailable"].items())]
     lines += ["", "## Goals", "", "```text", goals_text, "```"]
@@ -195,6 +261,24 @@ def markdown(data: dict[str, Any], goals_text: str, figures: list[tuple[str, lis
         lines += [f"![bus bandwidth of {', '.join(ops)}]({name})" for name, ops in figures]
     lines += ["", "## Table", "", "```text", table(records, {}), "```", ""]
     return "\n".join(lines)
+
+
+def membw_lines(membw: dict[str, Any] | None) -> list[str]:
+    """Return the results page's lines on the machine's measured copy rate, if the run has it."""
+    if not membw:
+        return []
+    rates = ", ".join(f"{r['fastest']:.1f} GB/s with {r['processes']}" for r in membw["copy_gbs"])
+    text = (
+        f"- Memory bandwidth: all processes together copy {rates} processes at once (the "
+        f"fastest of {membw['rounds']} rounds of {human(membw['size'])} copies; "
+        f"`{membw['command']}` on `{membw['machine']}`, {membw['date']}, measured "
+        f"{membw['when']}). The bus-bandwidth figures draw the bound it sets (a black line, "
+        "hatched above): each byte that crosses between ranks is copied at least once, so an "
+        "op's bus bandwidth is at most that rate over the ranks' bus bytes that cross: n for "
+        "allreduce, allgather, reducescatter and alltoall, n-1 for broadcast and reduce, 1 "
+        "for gather and scatter."
+    )
+    return textwrap.wrap(text, width=88, subsequent_indent="  ", break_on_hyphens=False)
 
 
 def _grid(records: list[dict[str, Any]], field: str) -> list[str]:

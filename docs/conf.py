@@ -338,7 +338,8 @@ def summary_body() -> str:
         "have no GPU.",
         "",
     ]
-    if results is not None and plots.times(SUMMARY_PLOT, results):
+    membw = None if results is None else results.get("meta", {}).get("membw")
+    if results is not None and plots.times(SUMMARY_PLOT, results, membw=membw):
         text += [
             "```{image} _generated/allreduce.png",
             ":alt: allreduce at 2 and 4 ranks: median time per op below 1 MiB, bus "
@@ -349,8 +350,8 @@ def summary_body() -> str:
             "Allreduce in the op sweep: on the left, the time per op of messages below "
             "1 MiB (lower is faster); on the right, the bus bandwidth of 1 MiB and up "
             "(higher is faster). Each line is named at its end. The plain copies (dashed) "
-            "are a peer, not a bound; the committed run does not measure the machine's "
-            "memory bandwidth, so no bound is drawn.",
+            "are a peer, not a bound; the black line is the bound the machine's measured "
+            "memory bandwidth sets, with the unreachable region above it shaded.",
             "",
         ]
     return "\n".join(text)
@@ -423,7 +424,8 @@ def full_body() -> str:
             "Bus bandwidth, nccl-tests' measure of how fast an op moves data, of "
             "messages of 1 MiB and up, on a linear axis; higher is faster. The op tables "
             "below give the smaller messages' times. Each line is named at its end; the "
-            "plain copies (dashed) are a peer, not a bound.",
+            "plain copies (dashed) are a peer, not a bound; the black line is the "
+            "memory-bandwidth bound.",
             "",
         ]
     for path, ops in shown:

@@ -51,7 +51,13 @@ def test_quick_benchmark_writes_table_goals_json_and_plot(tmp_path: Path) -> Non
     assert "# 8-byte allreduce, single ops" in done.stdout
     assert "# goals" in done.stdout
     data = json.loads(out_json.read_text())
-    assert set(data["meta"]) >= {"command", "torch", "ray", "seconds", "unavailable"}
+    assert set(data["meta"]) >= {"command", "torch", "ray", "seconds", "unavailable", "membw"}
+    from benchmarks import membw
+
+    copies = data["meta"]["membw"]["copy_gbs"]
+    assert [r["processes"] for r in copies] == membw.counts_for([2])
+    assert all(0 < r["median"] <= r["fastest"] for r in copies), copies
+    assert "process(es): " in done.stdout
     missing = set(data["meta"]["unavailable"])
     results = data["results"]
     for op in OPS:
@@ -105,11 +111,20 @@ def test_quick_benchmark_writes_table_goals_json_and_plot(tmp_path: Path) -> Non
         (["--sizes", "8,4X"], "sizes must be like"),
     ],
 )
-def test_bad_arguments_are_rejected_before_anything_starts(flags: list[str], message: str) -> None:
-    command = [sys.executable, "-m", "benchmarks", *flags]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert message in done.stderr
+def test_bad_arguments_are_rejected_before_anything_starts(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m benchmarks`` with these flags exits with status 2 from its argument checks.
+
+    Its ``main`` runs here, as ``-m`` runs it (the quick test runs it so); nothing
+    else starts, so no process needs to.
+    """
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def _simulate(op: str, inputs: list[np.ndarray], chunk: int) -> list[np.ndarray | None]:
@@ -269,22 +284,124 @@ def test_elastic_benchmark_runs_every_row_in_quick_mode(tmp_path: Path) -> None:
     ("flags", "message"),
     [(["--nodes", "3"], "nodes must be 1 or 2"), (["--rounds", "-1"], "rounds must be")],
 )
-def test_elastic_benchmark_rejects_bad_arguments(flags: list[str], message: str) -> None:
-    command = [sys.executable, "-m", "benchmarks.elastic", *flags]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert message in done.stderr
+def test_elastic_benchmark_rejects_bad_arguments(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``test_bad_arguments_are_rejected_before_anything_starts``, for ``benchmarks.elastic``."""
+    from benchmarks.elastic import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
 
 
-def test_membw_reports_each_process_count() -> None:
+def test_membw_reports_each_process_count_and_records_it_in_a_results_file(
+    tmp_path: Path,
+) -> None:
     from benchmarks import membw
 
-    lines = membw.main(["--size", "1M", "--processes", "1,2", "--iters", "3"])
-    assert lines[0] == "# numpy copy of 1 MiB, median over 3 copies per process"
+    lines = membw.main(["--size", "1M", "--processes", "1,2", "--rounds", "3"])
+    assert lines[0] == "# numpy copies of 1 MiB, 3 rounds, every process copying once a round"
     for n, line in zip((1, 2), lines[1:], strict=True):
         assert line.startswith(f"{n} process(es): "), line
         rate = float(line.split(": ")[1].split(" GB/s")[0])
         assert rate > 0, line
+    results = tmp_path / "results.json"
+    committed = json.loads((ROOT / "docs" / "performance" / "results.json").read_text())
+    committed["meta"].pop("membw", None)
+    results.write_text(json.dumps(committed))
+    membw.main(["--size", "1M", "--rounds", "3", "--json", str(results)])
+    data = json.loads(results.read_text())
+    recorded = data["meta"].pop("membw")
+    assert data == committed, "only meta.membw is added"
+    assert [r["processes"] for r in recorded["copy_gbs"]] == membw.counts_for([2, 4])
+    for r in recorded["copy_gbs"]:
+        assert 0 < r["median"] <= r["fastest"], r
+    assert (
+        recorded["command"] == f"python -m benchmarks.membw --size 1M --rounds 3 --json {results}"
+    )
+    assert recorded["when"].startswith("separately")
+    assert {"units", "method", "machine", "cpus", "date", "size", "rounds"} <= set(recorded)
+
+
+MEMBW = {"copy_gbs": [{"processes": 1, "fastest": 12.0}, {"processes": 2, "fastest": 16.0}]}
+
+
+@pytest.mark.parametrize(
+    ("op", "world_size", "cpus", "gbs"),
+    [
+        ("allreduce", 2, 2, 8.0),
+        ("allreduce", 4, 2, 4.0),
+        ("broadcast", 2, 2, 16.0),
+        ("broadcast", 4, 2, 16.0 / 3),
+        ("gather", 4, 2, 16.0),
+        ("alltoall", 2, 1, 8.0),
+        ("allreduce", 1, 2, None),
+        ("allreduce", 4, 4, None),
+    ],
+)
+def test_memory_bandwidth_bound_shares_the_copy_rate_among_the_bytes_that_cross(
+    op: str, world_size: int, cpus: int, gbs: float | None
+) -> None:
+    """The bound is the copy rate of the ranks' cores over the ranks' bus bytes that cross.
+
+    None for one rank (nothing crosses) and where the rate of as many processes as the
+    ranks have cores for was not measured.
+    """
+    from benchmarks.report import membw_bound
+
+    bound = membw_bound({**MEMBW, "cpus": cpus}, op, world_size)
+    assert (bound.gbs if bound else None) == (pytest.approx(gbs) if gbs else None)
+    assert membw_bound(None, op, world_size) is None
+
+
+def _bandwidth_axes(membw: dict[str, Any] | None) -> tuple[list[Any], list[str], float]:
+    """Draw the committed 2-rank allreduce panel; return its bound lines, texts and top."""
+    from benchmarks import plots
+    from benchmarks.report import membw_bound
+
+    data = json.loads((ROOT / "docs" / "performance" / "results.json").read_text())
+    records = [
+        r
+        for r in data["results"]
+        if (r["op"], r["world_size"]) == ("allreduce", 2) and r["size"] >= plots.LARGE
+    ]
+    with plots.pyplot() as plt:
+        fig, ax = plt.subplots()
+        plots.bandwidth_panel(ax, records, membw_bound(membw, "allreduce", 2))
+        plots.direct_labels(ax)
+        bounds = [line for line in ax.get_lines() if line.get_label().startswith("_memory")]
+        texts = [t.get_text() for t in ax.texts]
+        top = ax.get_ylim()[1]
+        plt.close(fig)
+    return bounds, texts, top
+
+
+def test_bus_bandwidth_panels_draw_the_memory_bandwidth_bound_where_the_run_has_it(
+    tmp_path: Path,
+) -> None:
+    membw = {**MEMBW, "cpus": 2}
+    bounds, texts, top = _bandwidth_axes(membw)
+    assert [list(line.get_ydata()) for line in bounds] == [[8.0, 8.0]]
+    assert bounds[0].get_color() == "black"
+    assert "memory-bandwidth bound, 8.0 GB/s\n(measured copy rate 16.0 GB/s / 2)" in texts
+    assert top > 8.0
+    assert "collective" in texts and not any(t.startswith("_") for t in texts), texts
+
+    bounds, texts, _ = _bandwidth_axes(None)
+    assert bounds == [] and not any("bound" in t for t in texts), texts
+
+    from benchmarks import replot
+
+    for name in ("results.json", "bulk.json"):
+        (tmp_path / name).write_text((ROOT / "docs" / "performance" / name).read_text())
+    data = json.loads((tmp_path / "results.json").read_text())
+    data["meta"].pop("membw", None)
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    written = replot.main([str(tmp_path)])
+    assert (tmp_path / "busbw.png") in written
+    assert "Memory bandwidth" not in (tmp_path / "results.md").read_text()
 
 
 def test_replot_redraws_the_committed_figures_and_pages(tmp_path: Path) -> None:
@@ -299,6 +416,7 @@ def test_replot_redraws_the_committed_figures_and_pages(tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     page = (tmp_path / "results.md").read_text()
     assert all(f"]({name})" in page for name in figures[:4])
+    assert "- Memory bandwidth: all processes together copy" in page
     for text in (page, (tmp_path / "bulk.md").read_text()):
         assert "copy bound" not in text
 
