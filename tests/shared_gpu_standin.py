@@ -88,6 +88,8 @@ class HostDevice:
         """(event, its owner, its records when waited on), in order."""
         self.records: list[tuple[int, int]] = []
         """(event, its records after this record), in order."""
+        self.streams: list[tuple[str, int, int]] = []
+        """("record" or "wait", the event, the stream), in order."""
         self.settles = True
         """What ``settle`` says: False stands for device work that never finishes."""
         self.opened_memory: dict[int, int] = {}
@@ -184,12 +186,14 @@ class HostDevice:
                 self.gpu.misuse.append(f"rank {self.rank} recorded rank {found.owner}'s event")
             found.records += 1
             self.records.append((event, found.records))
+            self.streams.append(("record", event, stream))
 
     def wait(self, stream: int, event: int) -> None:
         """Log a wait on ``event`` with the records it has now."""
         with self.gpu.lock:
             found = self.gpu.events[event]
             self.waits.append((event, found.owner, found.records))
+            self.streams.append(("wait", event, stream))
 
     def copy(self, target: int, source: int, nbytes: int, stream: int) -> None:
         """Copy ``nbytes`` between host addresses, at once."""

@@ -31,6 +31,9 @@ from tests.shared_gpu_standin import HostDevice, HostGpu
 STREAM = 0x5A5A
 """The current stream every stood-in process reports."""
 
+SIDE = 0x5151
+"""The side stream every stood-in process reads on."""
+
 
 class QueryDevice(HostDevice):
     """A ``HostDevice`` that answers ``query``: complete, unless the GPU is held ``stuck``."""
@@ -71,6 +74,9 @@ class StandinGpus:
 
     def stream(self, device: Any) -> int:
         return STREAM
+
+    def side_stream(self, device: Any) -> int:
+        return SIDE
 
     def empty(self, nbytes: int, device: Any) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -161,7 +167,14 @@ def test_every_consumer_reads_every_byte_and_waits_on_the_producers_last_record(
         assert mismatches(got, want) == []
         sized = [t for t in got if t.numel()]
         assert len({t.untyped_storage().data_ptr() for t in sized}) == 1  # one copy, views
-        assert device.waits == [(event, 0, 2)]  # after the zeroing's record and the copies'
+        follow, mine = device.waits[0][0], device.waits[0][1]
+        assert device.waits[1:] == [(event, 0, 2)]  # after the zeroing's record and the copies'
+        assert device.streams[:3] == [
+            ("record", follow, STREAM),  # where the caller's stream has got to
+            ("wait", follow, SIDE),
+            ("wait", event, SIDE),  # the producer's event: never on the caller's stream
+        ]
+        assert mine == device.rank
     assert machine.open_anywhere() == [(0, 0)] * 4  # every consumer closed what it opened
     machine.producer.garbage_collect("obj", meta, want)
     assert machine.gpu.live() == (0, 0)

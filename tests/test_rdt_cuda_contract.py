@@ -132,6 +132,9 @@ class _Gpus(TorchGpus):
     def stream(self, device: Any) -> int:
         return 0x6666_0000 + device.device_id
 
+    def side_stream(self, device: Any) -> int:
+        return 0x7777_0000 + device.device_id
+
     def empty(self, nbytes: int, device: Any) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
 
@@ -194,7 +197,11 @@ def test_a_whole_publish_read_and_free_makes_only_calls_the_binding_accepts() ->
     one_read = [
         "ipcOpenMemHandle",
         "ipcOpenEventHandle",
+        "eventCreateWithFlags",  # where the caller's stream has got to
+        "eventRecord",
         "streamWaitEvent",
+        "eventDestroy",
+        "streamWaitEvent",  # the producer's event
         "memcpyAsync",
         "eventCreateWithFlags",
         "eventRecord",
@@ -204,7 +211,7 @@ def test_a_whole_publish_read_and_free_makes_only_calls_the_binding_accepts() ->
         "eventDestroy",
     ]
     found = ["getDeviceCount", "getDeviceProperties", "getDeviceProperties"]
-    into_buffers = [*one_read[:3], "memcpyAsync", *one_read[3:]]  # two tensors with bytes
+    into_buffers = [*one_read[:8], "memcpyAsync", *one_read[8:]]  # two tensors with bytes
     assert runtime.calls == found + into_buffers + one_read
     runtime.calls.clear()
     producer.free("obj")

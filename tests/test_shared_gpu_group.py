@@ -363,3 +363,37 @@ def test_a_graph_capture_is_refused_before_anything_moves() -> None:
         return run
 
     assert all(_run_threads([target(0), target(1)], JOIN_TIMEOUT_S))
+
+
+def test_an_async_op_on_the_per_thread_default_stream_is_refused_before_anything_moves() -> None:
+    """Handle 2 names each thread's own default stream: issued from the group's thread, the
+    op would not follow the caller's work. A blocking op on it runs in the caller's thread."""
+    per_thread = Buffers(describe, lambda x: 2, lambda x: False, _contiguous_copy)
+    gpu = HostGpu()
+    master = _master_store()
+
+    def target(rank: int) -> Callable[[], np.ndarray]:
+        def run() -> np.ndarray:
+            store = master if rank == 0 else _client_store(master, TIMEOUT)
+            group = connect_gpu_group(
+                2,
+                rank,
+                "per-thread",
+                TCPRendezvousStore(store),
+                TIMEOUT,
+                device=HostDevice(gpu, rank),
+                buffers=per_thread,
+            )
+            try:
+                x = _data(rank, 8)
+                with pytest.raises(ArgumentValueError, match="per-thread default stream"):
+                    group.allreduce([x], AllReduceOptions(async_op=True))
+                group.allreduce([x], AllReduceOptions())  # blocking: fine, and the group whole
+                return x
+            finally:
+                group.destroy_group()
+
+        return run
+
+    for x in _run_threads([target(0), target(1)], JOIN_TIMEOUT_S):
+        np.testing.assert_array_equal(x, _data(0, 8) + _data(1, 8))

@@ -59,6 +59,14 @@ class Gpus(Protocol):
         """Return the current stream of ``device``'s GPU in this thread."""
         ...
 
+    def side_stream(self, device: IpcDevice) -> int:
+        """Return a stream of this process's own on ``device``'s GPU, made once, for reads.
+
+        A read waits on the producer's event there, not on the caller's stream: a
+        producer that died mid-write leaves that stream waiting, never the caller's.
+        """
+        ...
+
     def empty(self, nbytes: int, device: IpcDevice) -> Any:
         """Return a new flat ``uint8`` tensor of ``nbytes`` on ``device``'s GPU."""
         ...
@@ -107,6 +115,7 @@ class TorchGpus:
         self._lock = threading.Lock()
         self._devices: dict[int, CudaIpcDevice] = {}
         self._uuids: list[str] | None = None
+        self._side: dict[int, Any] = {}
 
     def holds(self, tensor: Any) -> bool:
         """Return whether ``tensor`` is a CUDA tensor."""
@@ -134,6 +143,17 @@ class TorchGpus:
         import torch
 
         return int(torch.cuda.current_stream(cast(CudaIpcDevice, device).device_id).cuda_stream)
+
+    def side_stream(self, device: IpcDevice) -> int:
+        """Return a torch stream of this process's own on ``device``'s GPU, made once."""
+        import torch
+
+        index = cast(CudaIpcDevice, device).device_id
+        with self._lock:
+            made = self._side.get(index)
+            if made is None:
+                made = self._side[index] = torch.cuda.Stream(device=index)
+        return int(made.cuda_stream)
 
     def empty(self, nbytes: int, device: IpcDevice) -> Any:
         """Return ``torch.empty(nbytes, dtype=uint8)`` on ``device``'s GPU."""

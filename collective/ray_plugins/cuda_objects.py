@@ -10,9 +10,11 @@
   producer's pid and start time, and each tensor's offset.
 - **Consumer** (``read``): same node and same GPU (by UUID), or a ``CollectiveError``
   that says which; the handles are opened once per process (concurrent reads of an
-  object share the mapping); the current stream waits on the producer's event, the
-  bytes are copied out; an event of the reader's own is recorded after the copies, and
-  the host waits for it (``query`` polls, bounded by a deadline, ended by ``abort`` and
+  object share the mapping); a side stream of the reader's own (``Gpus.side_stream``)
+  waits on what the caller's current stream queued and on the producer's event, and
+  the bytes are copied out on it, so a producer that died mid-write can block that
+  stream, never the caller's; an event of the reader's own is recorded after the
+  copies, and the host waits for it (``query`` polls, bounded by a deadline, ended by ``abort`` and
   by the producer's death) before the mapping is closed. A read that stops before its
   copies complete parks its mapping; a later call closes it once they have.
 - **Lifetime** (``free``, when Ray garbage-collects the object in the producer): the
@@ -193,12 +195,13 @@ class CudaObjects:
         if meta.size == 0:
             return targets if targets is not None else views(meta, self.gpus.empty(0, device))
         with self._reading(meta.obj_id) as read:
-            stream = self.gpus.stream(device)
+            caller, stream = self.gpus.stream(device), self.gpus.side_stream(device)
             done, release = 0, None
             try:
                 with device.on_stream(stream):
                     source, event, release = self._acquire(meta, device)
                     try:
+                        follow(device, stream, caller)  # what the caller queued first
                         device.wait(stream, event)
                         out = copy_out(meta, device, source, stream, targets, self.gpus)
                     finally:  # after whatever copy was enqueued
@@ -386,3 +389,15 @@ def _release(held: _Held) -> None:
 def _aborted(obj_id: str) -> str:
     """Return the message of a read of ``obj_id`` that Ray aborted."""
     return f"Ray aborted the read of object {obj_id}"
+
+
+def follow(device: IpcDevice, stream: int, leader: int) -> None:
+    """Order ``stream``'s later work after what ``leader`` has queued so far.
+
+    A read's copies run on a side stream into memory the caller's allocator may have
+    just taken back from the caller's stream's pending work: they start after it.
+    """
+    event = device.new_event()
+    device.record(event, leader)
+    device.wait(stream, event)
+    device.destroy_event(event)  # CUDA keeps it until the wait has used it

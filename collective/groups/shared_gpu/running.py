@@ -49,6 +49,9 @@ VIEWS_KEPT = 1024
 _IDLE_S = 1.0
 """The longest destroy waits for ops running in other threads to give up."""
 
+PER_THREAD_STREAM = 2
+"""``cudaStreamPerThread``: a handle that names each thread's own default stream."""
+
 REDUCE_OPS = frozenset((ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG))
 """The reductions of the nccl backend, which a group on one GPU takes too: a group's
 ops do not depend on where its ranks sit."""
@@ -225,6 +228,13 @@ class SharedGpuRunning(BaseGroup):
         send or receive runs on the lane of its direction and peer.
         """
         self._check_usable(destroyed=self._closing)
+        if options.async_op and stream == PER_THREAD_STREAM:
+            raise ArgumentValueError(
+                f"async {op} on group {self.group_name!r} cannot run on the per-thread default "
+                "stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): the op is issued from the "
+                "group's own thread, where that handle names another stream; make a stream "
+                "current (cupy.cuda.Stream() or torch.cuda.Stream()), or call it blocking"
+            )
         transport, _ = self._collectives()
         timeout = options.timeout or self.timeout
         collective = lane == "collective"
