@@ -150,25 +150,40 @@ class GpuHierarchyGroup(HierarchyRunning):
         self._same_sizes(outputs, source, "tensor_list")
         _, collectives = self._collectives()
         piece, views = self._view(source), [self._view(b) for b in outputs]
-        topo, size, dtype = self.topo, source.nbytes, source.dtype
-        row = self._widest * size
+        size, dtype = source.nbytes, source.dtype
         stream = self._stream("allgather", tensors)
 
         def body(deadline: float) -> None:
             self._agree("allgather", source, piece, NO_ROOT, None, stream, deadline)
-            block = self._arrays.empty(len(topo.nodes) * row)
-            mine = block[topo.node * row : (topo.node + 1) * row]
-            gathered = [mine[i * size : (i + 1) * size] for i in range(len(topo.local_ranks))]
-            collectives.gather(piece, gathered if topo.is_leader else [], 0, dtype, deadline)
+            block, mine, rows = self._onto_leader(piece, dtype, deadline)
             if self._leaders is not None:
-                rows = [block[h * row : (h + 1) * row] for h in range(len(topo.nodes))]
                 ours, step = mine.copy(), AllGatherOptions(left(deadline))
                 self._across(stream, ours, lambda g: g.allgather([rows], [ours], step))
             collectives.broadcast(block, 0, dtype, deadline)
-            for r, view in enumerate(views):
-                view[...] = block[self._slot(r, size)]
+            self._copy_out(views, block, size)
 
         return self._submit("allgather", options, stream, body)
+
+    def _onto_leader(self, piece: Any, dtype: str, deadline: float) -> tuple[Any, Any, list[Any]]:
+        """Gather this GPU's pieces onto its leader, into its row of a block of every GPU's.
+
+        Returns the block (a row of ``widest`` pieces per GPU; see ``_slot``), this
+        GPU's row, and every GPU's row.
+        """
+        _, collectives = self._collectives()
+        topo, size = self.topo, piece.size
+        row = self._widest * size
+        block = self._arrays.empty(len(topo.nodes) * row)
+        rows = [block[h * row : (h + 1) * row] for h in range(len(topo.nodes))]
+        mine = rows[topo.node]
+        gathered = [mine[i * size : (i + 1) * size] for i in range(len(topo.local_ranks))]
+        collectives.gather(piece, gathered if topo.is_leader else [], 0, dtype, deadline)
+        return block, mine, rows
+
+    def _copy_out(self, views: Sequence[Any], block: Any, size: int) -> None:
+        """Write each rank's piece of ``block`` into ``views[rank]``."""
+        for r, view in enumerate(views):
+            view[...] = block[self._slot(r, size)]
 
     def reducescatter(
         self,
@@ -216,26 +231,21 @@ class GpuHierarchyGroup(HierarchyRunning):
         _, collectives = self._collectives()
         piece, views, root = self._view(source), [self._view(b) for b in outputs], options.root_rank
         topo, size, dtype = self.topo, source.nbytes, source.dtype
-        root_gpu, row = topo.node_of(root), self._widest * size
+        root_gpu = topo.node_of(root)
         relayed = root != topo.leaders[root_gpu]
         stream = self._stream("gather", tensors)
 
         def body(deadline: float) -> None:
             self._agree("gather", source, piece, root, None, stream, deadline)
-            block = self._arrays.empty(len(topo.nodes) * row)
-            mine = block[topo.node * row : (topo.node + 1) * row]
-            gathered = [mine[i * size : (i + 1) * size] for i in range(len(topo.local_ranks))]
-            collectives.gather(piece, gathered if topo.is_leader else [], 0, dtype, deadline)
+            block, mine, rows = self._onto_leader(piece, dtype, deadline)
             if self._leaders is not None:
-                rows = [block[h * row : (h + 1) * row] for h in range(len(topo.nodes))]
                 rows = rows if topo.node == root_gpu else []
                 ours, step = mine.copy(), GatherOptions(root_gpu, left(deadline))
                 self._across(stream, ours, lambda g: g.gather([rows], [ours], step))
             if topo.node == root_gpu and relayed:
                 collectives.relay(block, 0, topo.local_rank_of(root), dtype, deadline)
             if topo.rank == root:
-                for r, view in enumerate(views):
-                    view[...] = block[self._slot(r, size)]
+                self._copy_out(views, block, size)
 
         return self._submit("gather", options, stream, body)
 
