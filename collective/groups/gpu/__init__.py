@@ -2,8 +2,11 @@
 
 ``connect`` builds the group of ``backend="nccl"``: the ranks exchange their GPU's UUID
 through the store (never its index, which Ray and ``CUDA_VISIBLE_DEVICES`` renumber per
-process), then every rank derives the same choice from what all published. This is
-the one package that knows both GPU transports: it imports ``groups.nccl``,
+process), then every rank derives the same choice from what all published. Where
+several GPUs hold several ranks, ``hierarchy`` (its ops) and ``running`` (connecting,
+agreeing, failing) compose the shared-GPU transport inside each GPU with NCCL among one
+leader per GPU; ``stages`` says what they ask of NCCL and of cupy. This is the one
+package that knows both GPU transports: it imports ``groups.nccl``,
 ``groups.shared_gpu``, the shared pieces of ``collective.groups``,
 ``collective.rendezvous``, ``collective.frameworks`` and ``collective.types``.
 """
