@@ -189,3 +189,15 @@ class TorchGpus:
                 with cupy.cuda.Device(index):
                     found = self._devices[index] = CudaIpcDevice(cupy)
             return found
+
+
+def follow(device: IpcDevice, stream: int, leader: int) -> None:
+    """Order ``stream``'s later work after what ``leader`` has queued so far.
+
+    A read's copies run on a side stream into memory the caller's allocator may have
+    just taken back from the caller's stream's pending work: they start after it.
+    """
+    event = device.new_event()
+    device.record(event, leader)
+    device.wait(stream, event)
+    device.destroy_event(event)  # CUDA keeps it until the wait has used it

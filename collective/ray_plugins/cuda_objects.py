@@ -46,7 +46,7 @@ from collective.ray_plugins.cuda_buffer import (
     pack,
     views,
 )
-from collective.ray_plugins.cuda_gpus import Gpus, IpcDevice
+from collective.ray_plugins.cuda_gpus import Gpus, IpcDevice, follow
 from collective.ray_plugins.names import DEFAULT_NAME, SHM_NAME
 from collective.types import ArgumentTypeError, CollectiveError, CollectiveTimeoutError
 
@@ -389,15 +389,3 @@ def _release(held: _Held) -> None:
 def _aborted(obj_id: str) -> str:
     """Return the message of a read of ``obj_id`` that Ray aborted."""
     return f"Ray aborted the read of object {obj_id}"
-
-
-def follow(device: IpcDevice, stream: int, leader: int) -> None:
-    """Order ``stream``'s later work after what ``leader`` has queued so far.
-
-    A read's copies run on a side stream into memory the caller's allocator may have
-    just taken back from the caller's stream's pending work: they start after it.
-    """
-    event = device.new_event()
-    device.record(event, leader)
-    device.wait(stream, event)
-    device.destroy_event(event)  # CUDA keeps it until the wait has used it
