@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks import nccl_peers, nccl_timing, shared_gpu
+from benchmarks import gpu_results, nccl_peers, nccl_timing, shared_gpu
 from benchmarks.nccl_peers import IMPLS, OPS, RAW
 from benchmarks.nccl_ranks import RankError, RankPool
 
@@ -346,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.monotonic() - start, 1),
             "gpus": gpus,
             "unavailable": why,
+            "overhead_calls": args.overhead_calls,
+            **gpu_results.run_meta(args.world_sizes),
             **run.info,
         }
         body = {"meta": meta, "results": run.records, "overhead": run.overhead, "notes": run.notes}

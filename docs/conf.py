@@ -14,6 +14,10 @@ benchmark runs, so they cannot drift:
   and commands, and the detail page's full tables and figures, from
   ``docs/performance/results.json``, ``busbw*.png``, ``bulk.json`` and ``bulk.png``.
   Without them the pages say how to make them.
+- every GPU number: the NCCL page's "How fast on GPUs" (``@gpu@``), the landing page's
+  GPU rows (``@gpu_headlines@``) and the performance page's pointer (``@gpu_status@``),
+  from ``docs/performance/gpu.json`` (``gpu_pages``); without it they say that no GPU
+  run is committed, and how to make one.
 
 Inline code that names a public function or class, such as ``allreduce`` or
 ``col.broadcast_state_dict``, links to its entry in the API reference (``api_links``).
@@ -35,10 +39,11 @@ DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS / "_ext"))
 sys.path.insert(0, str(DOCS.parent))
 
+import gpu_pages  # noqa: E402
 import perf_pages  # noqa: E402
 
 import collective  # noqa: E402
-from benchmarks import plots  # noqa: E402
+from benchmarks import gpu_results, plots  # noqa: E402
 
 project = "collective"
 author = "collective authors"
@@ -205,6 +210,8 @@ RESULTS_JSON = PERF / "results.json"
 PLOT = PERF / "busbw.png"
 BULK_JSON = PERF / "bulk.json"
 BULK_PLOT = PERF / "bulk.png"
+GPU_JSON = PERF / "gpu.json"
+"""The committed GPU run: ``python -m benchmarks.gpu_results --from $OUT/bench.json``."""
 SUMMARY_PLOT = DOCS / "_generated" / "allreduce.png"
 """Drawn from ``results.json`` at each build; not committed."""
 
@@ -455,15 +462,29 @@ def bulk_body() -> str:
     return text + perf_pages.bulk_tables(bulk)
 
 
+def gpu(render: Callable[[dict | None], str]) -> Callable[[], str]:
+    """Return a generator that renders the committed GPU run, or its absence, with ``render``."""
+    return lambda: render(gpu_results.load(GPU_JSON))
+
+
 GENERATORS: dict[str, dict[str, Callable[[], str]]] = {
     **{
         section: {MARKER: lambda section=section: "\n".join(SECTIONS[section])}
         for section in SECTIONS
     },
-    "index": {"@headlines@": headlines_body, "@next@": next_body},
+    "index": {
+        "@headlines@": headlines_body,
+        "@gpu_headlines@": gpu(gpu_pages.index_body),
+        "@next@": next_body,
+    },
+    "nccl": {"@gpu@": gpu(gpu_pages.nccl_body)},
     "api": {MARKER: api_body},
     "backends": {MARKER: backends_body},
-    "performance": {"@summary@": summary_body, "@method@": method_body},
+    "performance": {
+        "@summary@": summary_body,
+        "@method@": method_body,
+        "@gpu_status@": gpu(gpu_pages.performance_body),
+    },
     "performance-detail": {"@bulk@": bulk_body, MARKER: full_body},
 }
 """Each generated page's markers and what replaces them."""

@@ -19,11 +19,13 @@ import torch
 
 import collective
 import collective.types
+from benchmarks import gpu_results
 from collective.frameworks import kinds
 from collective.groups.base import BaseGroup
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.nccl.group import NCCLGroup
 from collective.types import ReduceOp
+from tests.test_gpu_results import run as gpu_run
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -263,6 +265,29 @@ def test_gpu_numbers_say_the_gpu_and_the_world_size() -> None:
                 assert "world size 1" in paragraph, (path.name, paragraph[:200])
 
 
+HAND_GPU_NUMBER = re.compile(r"H[12]00|A100|B200|one GPU|ProcessGroupNCCL|cupy\.cuda\.nccl|NCCL")
+GOAL = re.compile(r"goal at most \d+ ?µs")
+
+
+def test_only_the_design_notes_quote_gpu_numbers_by_hand() -> None:
+    """Every other GPU number is generated from ``docs/performance/gpu.json``."""
+    for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
+        if path.name == "design-notes.md":
+            continue
+        text = path.read_text(encoding="utf-8")
+        if path.name == "README.md":
+            text = text.replace(gpu_results.readme_block_of(text), "")
+        for paragraph in text.split("\n\n"):
+            if HAND_GPU_NUMBER.search(paragraph):
+                assert not re.search(r"\d ?(µs|GB/s)", GOAL.sub("", paragraph)), (
+                    path.name,
+                    paragraph[:300],
+                )
+    notes = (DOCS / "design-notes.md").read_text(encoding="utf-8")
+    section = notes.split("## Host time per call on one GPU", 1)[1].split("\n## ", 1)[0]
+    assert "from uncommitted runs" in section and "nccl.md#how-fast-on-gpus" in section
+
+
 def test_inline_names_link_to_the_api_reference(site: Path) -> None:
     weight_sync = page(site, "weight-sync")
     assert 'href="api.html#collective.broadcast_state_dict"' in weight_sync
@@ -323,6 +348,7 @@ def copy_of_docs(tmp_path: Path, with_optional: bool) -> Path:
         (docs / "performance").mkdir()
         (docs / "performance" / "results.json").write_text(json.dumps(RESULTS))
         (docs / "performance" / "busbw.png").write_bytes(tiny_png())
+        (docs / "performance" / "gpu.json").write_text(json.dumps(gpu_run()))
     return docs
 
 
@@ -344,6 +370,16 @@ def test_optional_pages_build_either_way(tmp_path: Path, with_optional: bool) ->
     assert performance.count('src="_images/allreduce.png"') == int(with_optional)
     assert 'href="elastic.html"' in how_to
     assert 'href="failure-model.html"' in index
+    nccl = (out / "nccl.html").read_text()
+    for name, text in (("nccl", nccl), ("index", index), ("performance", performance)):
+        assert ("No GPU run is committed" in text or "no GPU run is committed" in text) is not (
+            with_optional
+        ), name
+    assert ("<p>4.1x slower</p>" in nccl and "<p>9.5x faster</p>" in nccl) is with_optional
+    assert ("14.4 µs (4.1x slower)" in index) is with_optional
+    assert ("one GPU, world size 1, no interconnect" in nccl) is with_optional
+    assert ("two GPUs, world size 2, NVLink (NV18)" in index) is with_optional
+    assert ("µs" in nccl.split('id="how-fast-on-gpus"')[1].split("<section")[0]) is with_optional
 
 
 def bare(cls: type[BaseGroup]) -> BaseGroup:

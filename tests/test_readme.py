@@ -1,8 +1,10 @@
-"""The README's test command is the one CI runs, and its demo command names a real script."""
+"""The README's test command is the one CI runs, its demo a real script, its GPU lines a run."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from benchmarks import gpu_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,3 +32,12 @@ def test_readme_install_lines_are_the_docs_snippet() -> None:
     section = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     assert block == (ROOT / "docs" / "_snippets" / "install.txt").read_text()
+
+
+def test_readme_gpu_lines_are_those_of_the_committed_gpu_run() -> None:
+    """The README cannot be generated at build time: its GPU lines must match the file."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    committed = gpu_results.load(ROOT / "docs" / "performance" / "gpu.json")
+    assert gpu_results.readme_block_of(readme) == gpu_results.readme_block(committed), (
+        "run python -m benchmarks.gpu_results --from docs/performance/gpu.json"
+    )

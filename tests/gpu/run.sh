@@ -176,6 +176,9 @@ fi
     echo
     echo "## python -m benchmarks.nccl (exit $bench_rc)"
     echo
+    echo "To publish it: python -m benchmarks.gpu_results --from bench.json (checks the run,"
+    echo "writes docs/performance/gpu.json and the README's GPU block; commit both)."
+    echo
     echo '```text'
     if [ -s "$OUT/bench.txt" ]; then cat "$OUT/bench.txt"; else tail -n 40 "$OUT/bench.log"; fi
     echo '```'
