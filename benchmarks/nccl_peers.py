@@ -3,8 +3,9 @@
 - ``collective``: our public functions (``col.allreduce`` ...) on an ``NCCLGroup`` of
   cupy arrays, as a user calls them;
 - ``collective_torch``: the same functions and group on CUDA torch tensors;
-- ``collective_nocheck``: ``collective`` on a second group whose mismatch check is
-  off (``skip_agreement``), so the check's cost shows beside it in one run;
+- ``collective_sidecheck``, ``collective_nocheck``: ``collective`` on groups whose check
+  runs beside each op (``COLLECTIVE_NCCL_CHECK=side``) or not at all, so that what the
+  check costs on the op's stream and beside it shows in one run;
 - ``cupy_nccl``: raw ``cupy.cuda.nccl`` calls on one communicator (the floor we measure
   our overhead against);
 - ``torch_nccl``: torch.distributed's ProcessGroupNCCL, as most users know it.
@@ -23,9 +24,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from benchmarks.nccl_ranks import RankContext
+from collective.groups.nccl import mismatch
 from collective.groups.nccl.comm import cupy_module, encode_unique_id, unique_id_argument
 from collective.rendezvous.store import PrefixedRendezvousStore
 
@@ -40,7 +43,16 @@ OPS = (
     "scatter",
     "sendrecv",
 )
-IMPLS = ("collective", "collective_nocheck", "collective_torch", "cupy_nccl", "torch_nccl")
+IMPLS = (
+    "collective",
+    "collective_sidecheck",
+    "collective_nocheck",
+    "collective_torch",
+    "cupy_nccl",
+    "torch_nccl",
+)
+VARIANTS = {"collective_sidecheck": "side", "collective_nocheck": "0"}
+"""Our implementations on a group of their own, made with ``COLLECTIVE_NCCL_CHECK`` set so."""
 RAW = "cupy_nccl"
 """The implementation every other is compared with."""
 ROOT = 0
@@ -87,8 +99,8 @@ class _Rank:
     cupy: Any
     torch: Any = None
     group: Any = None
-    unchecked: Any = None
-    """Our second group, whose mismatch check is off."""
+    variants: dict[str, Any] = field(default_factory=dict)
+    """Our group of each of ``VARIANTS``."""
     comm: Any = None
     unavailable: dict[str, str] = field(default_factory=dict)
 
@@ -104,10 +116,17 @@ def rank_state() -> _Rank:
     return _STATE[0]
 
 
+def _register(group: Any, store: Any) -> Any:
+    """Make ``group`` this process's group of its name, as ``col`` finds it; return it."""
+    from collective.registry import held
+
+    held.create_group(group.group_name, lambda: (group, store))
+    return group
+
+
 def setup(context: RankContext, group_name: str) -> dict[str, str]:
     """Select GPU ``rank``, connect every implementation; return the unavailable ones and why."""
     from collective.groups.nccl.group import NCCLGroup
-    from collective.registry import held
 
     cupy = cupy_module()
     rank, n = context.rank, context.world_size
@@ -121,13 +140,15 @@ def setup(context: RankContext, group_name: str) -> dict[str, str]:
     cupy.cuda.Device(device).use()
     state = _Rank(context, cupy)
     state.group = NCCLGroup(n, rank, group_name, context.store, TIMEOUT)
-    held.create_group(group_name, lambda: (state.group, context.store))
-    unchecked = f"{group_name}-nocheck"
-    state.unchecked = NCCLGroup(
-        n, rank, unchecked, PrefixedRendezvousStore(context.store, "nocheck/"), TIMEOUT
-    )
-    state.unchecked.skip_agreement()
-    held.create_group(unchecked, lambda: (state.unchecked, context.store))
+    _register(state.group, context.store)
+    before = os.environ.get(mismatch.CHECK_ENV)
+    for impl, check in VARIANTS.items():
+        name, store = f"{group_name}-{impl}", PrefixedRendezvousStore(context.store, f"{impl}/")
+        os.environ[mismatch.CHECK_ENV] = check  # a group reads it once, as it is made
+        state.variants[impl] = _register(NCCLGroup(n, rank, name, store, TIMEOUT), store)
+    os.environ.pop(mismatch.CHECK_ENV)
+    if before is not None:
+        os.environ[mismatch.CHECK_ENV] = before
     nccl = cupy.cuda.nccl
     key = f"{group_name}/raw-unique-id"
     if rank == 0:
@@ -188,7 +209,8 @@ def teardown(context: RankContext) -> None:
 
     state = rank_state()
     col.destroy_collective_group(state.group.group_name)
-    col.destroy_collective_group(state.unchecked.group_name)
+    for group in state.variants.values():
+        col.destroy_collective_group(group.group_name)
     state.comm.destroy()
     if "torch_nccl" not in state.unavailable:
         import torch.distributed as dist
@@ -282,15 +304,11 @@ def sync() -> None:
 # --- one op of each implementation ------------------------------------------------------------
 
 
-def _unchecked(op: str, b: Buffers) -> Callable[[], Any]:
-    return _ours(op, b, checked=False)
-
-
-def _ours(op: str, b: Buffers, checked: bool = True) -> Callable[[], Any]:
+def _ours(op: str, b: Buffers, impl: str = "collective") -> Callable[[], Any]:
     import collective as col
 
     state = rank_state()
-    group = state.group if checked else state.unchecked
+    group = state.variants.get(impl, state.group)
     name, rank = group.group_name, state.context.rank
     root = rank == ROOT
     calls: dict[str, Callable[[], Any]] = {
@@ -376,15 +394,9 @@ def _torch(op: str, b: Buffers) -> Callable[[], Any]:
     return lambda: dist.recv(b.out, rank - 1)
 
 
-_LIBRARY = {
-    "collective": "cupy",
-    "collective_nocheck": "cupy",
-    "collective_torch": "torch",
-    "cupy_nccl": "cupy",
-}
-_CALLS = {
+_CALLS: dict[str, Callable[[str, Buffers], Callable[[], Any]]] = {
     "collective": _ours,
-    "collective_nocheck": _unchecked,
+    **{impl: partial(_ours, impl=impl) for impl in VARIANTS},
     "collective_torch": _ours,
     "cupy_nccl": _raw,
 }
@@ -397,4 +409,4 @@ def op_call(impl: str, op: str, b: Buffers) -> Callable[[], Any]:
 
 def library(impl: str) -> str:
     """Return the array library whose buffers ``impl`` takes: "cupy" or "torch"."""
-    return _LIBRARY.get(impl, "torch")
+    return "torch" if "torch" in impl else "cupy"

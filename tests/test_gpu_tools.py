@@ -80,9 +80,7 @@ def test_run_sh_without_gpu_or_ray_says_why_and_succeeds(
 
 
 @needs_no_gpu
-def test_run_sh_runs_only_the_parts_asked_for(
-    tmp_path: Path, without_ray: dict[str, str]
-) -> None:
+def test_run_sh_runs_only_the_parts_asked_for(tmp_path: Path, without_ray: dict[str, str]) -> None:
     """A machine lent for less than the whole run takes its parts in separate calls."""
     out = tmp_path / "out"
     env = dict(without_ray, OUT=str(out), RUN_PARTS="tests", GPU_TESTS="tests/gpu/test_ops.py")

@@ -243,3 +243,24 @@ def test_agree_compares_the_given_op_even_where_the_group_skips_its_checks(
     for rank, error in enumerate(errors):
         assert isinstance(error, CollectiveError) and "root:" in str(error)
         assert len(heard[rank]) == 1 and "root:" in heard[rank][0], heard
+
+
+def test_the_results_go_round_a_ring_of_64_slots_each_copied_to_its_own_host_words(
+    ranks: Callable[..., Ranks],
+) -> None:
+    """Each check reduces into the next slot of the ring and copies that slot down; after
+    the 64th it starts again at the first, whose result has been read by then."""
+    r = ranks(2)
+    x = [DeviceArray((8,), "float32") for _ in range(2)]
+    for _ in range(mismatch.SLOTS + 2):
+        r.run(lambda rank, g: g.allreduce([x[rank]], AllReduceOptions()))
+    for cupy in r.cupys:
+        made = checks(cupy)
+        results = [call.args[1] for call, _, _ in made]
+        hosts = [copy.args[0] for _, copy, _ in made]
+        events = [event.args[0] for _, _, event in made]
+        for column in (results, hosts, events):
+            assert len(set(column[: mismatch.SLOTS])) == mismatch.SLOTS
+            assert column[mismatch.SLOTS :] == column[:2]
+        assert all(copy.args[1] == call.args[1] for call, copy, _ in made)
+    assert all(g.error is None for g in r.groups)

@@ -48,6 +48,8 @@ class Signed:
     """The op's signature words on the GPU and in pinned memory, kept alive with the launch."""
     ptr: int
     comm: Any
+    stream: int
+    """The stream the check runs on: the op's own, or the group's comm stream (``mismatch``)."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +137,9 @@ def signed(
 ) -> Signed:
     """Return the signature check of a launch: ``words`` put on GPU ``device``, reduced on ``comm``.
 
-    The words go up from pinned memory on ``stream``, the op's own, so they are in
-    place when the check's allreduce reads them: no host synchronisation, and no
-    ordering against any other stream.
+    The words go up from pinned memory on ``stream``, the one the check runs on, so
+    they are in place when the check's allreduce reads them: no host
+    synchronisation, and no ordering against any other stream.
     """
     cuda = cupy.cuda
     pinned = cuda.alloc_pinned_memory(words.nbytes)
@@ -146,4 +148,4 @@ def signed(
         on_gpu = cupy.empty(words.size, dtype=np.int64)
     ptr = int(on_gpu.data.ptr)
     cuda.runtime.memcpyAsync(ptr, int(pinned.ptr), words.nbytes, _H2D, stream)
-    return Signed(check, (on_gpu, pinned), ptr, comm)
+    return Signed(check, (on_gpu, pinned), ptr, comm, stream)

@@ -13,8 +13,9 @@ Communicators are made on first use and cached:
   ranks that take no part in it. The lower endpoint is NCCL rank 0 and publishes
   the ID. A gpu index is the CUDA device ordinal the owning process sees.
 
-Launches, streams and the mismatch check: see ``running`` and ``mismatch``. A
-failure, an abort or a destroy drops the group's launches.
+Launches, streams and the mismatch check: see ``running``, ``checking`` and
+``mismatch``; the check's own communicators (``COLLECTIVE_NCCL_CHECK=side``) are
+cached here with the others. A failure, an abort or a destroy drops the launches.
 
 Peers: a rank counts the collectives it issues and keeps the last one's name; its
 ``FailureWatch`` answers the peers through the store (``groups.progress``). An op that
@@ -25,8 +26,9 @@ Locks: the op lock is held for a whole op, including the making of a communicato
 which waits up to the timeout for the peers; the state lock is held for moments
 only, so ``abort`` and ``destroy_group`` never wait for an op or a pending init.
 
-``running.NcclRunning`` adds how ops run, ``p2p.NcclPointToPoint`` the ops built on
-send and recv, and ``group.NCCLGroup`` the collectives.
+``checking.NcclChecking`` adds the signature checks, ``running.NcclRunning`` how ops
+run, ``p2p.NcclPointToPoint`` the ops built on send and recv, and ``group.NCCLGroup``
+the collectives.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from collective.groups.nccl.comm import (
     unavailable_reason,
 )
 from collective.groups.nccl.cuda import STREAMS, wait_events
-from collective.groups.nccl.launch import DeviceCalls, Launch, Signed, signed
+from collective.groups.nccl.launch import DeviceCalls, Launch
 from collective.groups.nccl.watchdog import Watch
 from collective.groups.progress import answer_wait
 from collective.groups.watch import FailureWatch
@@ -61,7 +63,6 @@ from collective.types import (
     CollectiveError,
     CollectiveTimeoutError,
     GroupOptions,
-    ReduceOp,
 )
 
 Communicators = Callable[[timedelta], list[Any]]
@@ -96,11 +97,13 @@ class NcclLifecycle(BaseGroup):
         ``host`` is unused: NCCL finds its own interfaces.
 
         Raises:
+            ArgumentValueError: ``COLLECTIVE_NCCL_CHECK`` is not 0, 1 or side.
             CollectiveError: cupy, NCCL or a GPU is missing; says what to install.
             CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
 
         """
         super().__init__(world_size, rank, group_name, timeout, options)
+        checks = mismatch.mode()  # before the peers wait: a bad value fails here, at once
         self._cupy = cupy_module()
         self._cuda = self._cupy.cuda
         self._nccl = self._cuda.nccl
@@ -121,7 +124,9 @@ class NcclLifecycle(BaseGroup):
         self._destroyed = False
         self._open = True
         """False once the group failed, was aborted or destroyed: ``_check_usable`` says why."""
-        self._checking = mismatch.enabled()
+        self._checking = checks != mismatch.OFF
+        self._side = checks == mismatch.SIDE
+        """Whether the checks run on their own communicators and the comm streams."""
         self._checks: dict[int, mismatch.Check] = {}
         self._issued, self._last_op = 0, ""  # collectives (not send, recv) issued; the last
         self._peers: FailureWatch | None = None
@@ -305,24 +310,7 @@ class NcclLifecycle(BaseGroup):
                 self._streams[device] = stream
         return stream
 
-    # --- launching ----------------------------------------------------------------------
-
-    def _signed(
-        self,
-        op: str,
-        x: Any,
-        device: int,
-        comm: Any,
-        stream: int,
-        root: int,
-        reduce_op: ReduceOp | None,
-    ) -> Signed:
-        """Return the signature check of ``op`` on ``x``, on GPU ``device`` (``launch.signed``)."""
-        check = self._checks.get(device)
-        if check is None:
-            check = self._checks[device] = mismatch.Check(self._cupy, device)
-        words = mismatch.words(op, x, root, reduce_op)
-        return signed(self._cupy, check, words, device, comm, stream)
+    # --- signature checks (see ``checking``) -------------------------------------------
 
     def _mismatch(self) -> CollectiveError | None:
         """Read the finished signature checks (op lock held); fail the group on a mismatch.
@@ -335,15 +323,9 @@ class NcclLifecycle(BaseGroup):
             except RuntimeError as exc:
                 return self._fail(check.oldest(), self.timeout, exc)
             if found is not None:
-                return self._fail(found.split(":")[0], self.timeout, self._mismatched(found))
+                error = mismatch.error(self.group_name, self.rank, found)
+                return self._fail(found.split(":")[0], self.timeout, error)
         return None
-
-    def _mismatched(self, found: str) -> CollectiveError:
-        """Return the error of a mismatch the signature check ``found``."""
-        return CollectiveError(
-            f"group {self.group_name!r}, found on rank {self.rank}: {found}; NCCL "
-            "moved nothing right, and the group is unusable"
-        )
 
     def _check_events(self) -> list[Any]:
         """Return the events of the signature checks not yet read."""

@@ -15,6 +15,16 @@ milliseconds, whichever comes first. The signature's allreduce is its own NCCL
 call, so it completes even when the op after it hangs; a mismatch then names the
 fields that differ rather than ending in a bare timeout.
 
+With ``COLLECTIVE_NCCL_CHECK=side`` the check leaves the op's stream: its allreduce
+runs on a communicator of its own (one per GPU, made with the first check) on the
+group's comm stream of that GPU, and so does the copy of its words and result. The
+words do not depend on the op's data, so that stream waits for nothing, and the
+check's kernel overlaps the op's instead of running before it; NCCL keeps each
+communicator's kernels in order, so check k still meets check k on every rank.
+Two communicators with kernels in flight at once on one GPU are safe under NCCL's
+rules only with ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` (NCCL 2.26 and later), or while
+the GPU holds both kernels at once (see docs/nccl.md).
+
 Nothing of this runs during CUDA-graph capture. A group with ``COLLECTIVE_NCCL_CHECK=0``
 in its environment skips the check.
 """
@@ -33,7 +43,16 @@ from collective.groups.nccl.cuda import NOT_READY
 from collective.types import ArgumentValueError, CollectiveError, ReduceOp
 
 CHECK_ENV = "COLLECTIVE_NCCL_CHECK"
-"""Environment variable that turns the mismatch check off when set to 0."""
+"""Environment variable: 1 (the default) checks on the op's stream, ``side`` beside it, 0 not."""
+
+OFF, STREAM, SIDE = "off", "stream", "side"
+"""Where a group checks its ops' signatures (``mode``): nowhere, on the op's stream, beside it."""
+
+_MODES = {
+    **dict.fromkeys(("0", "false", "no", "off"), OFF),
+    **dict.fromkeys(("1", "true", "yes", "on"), STREAM),
+    SIDE: SIDE,
+}
 
 FIELDS = signature.FIXED
 """The signature words an NCCL op's check compares: the fixed part of its signature."""
@@ -47,13 +66,35 @@ SLOTS = 64
 _INT64, _MAX, _D2H = 4, 2, 2
 """``ncclInt64``, ``ncclMax``, ``cudaMemcpyDeviceToHost``."""
 
+_COUNT = 2 * WORDS
+"""Words a check reduces: the signature and its negatives."""
+
+
+def mode() -> str:
+    """Return where this process's NCCL groups check their ops: ``OFF``, ``STREAM`` or ``SIDE``.
+
+    Raises:
+        ArgumentValueError: ``COLLECTIVE_NCCL_CHECK`` holds another value.
+
+    """
+    raw = os.environ.get(CHECK_ENV, "1").strip().lower()
+    found = _MODES.get(raw)
+    if found is None:
+        raise ArgumentValueError(f"{CHECK_ENV} must be 0, 1 or side, got {raw!r}")
+    return found
+
 
 def enabled() -> bool:
     """Return whether this process's NCCL groups check each op's signature (the default)."""
-    raw = os.environ.get(CHECK_ENV, "1").strip().lower()
-    if raw not in {"0", "1", "false", "true", "no", "yes", "off", "on"}:
-        raise ArgumentValueError(f"{CHECK_ENV} must be 0 or 1, got {raw!r}")
-    return raw in {"1", "true", "yes", "on"}
+    return mode() != OFF
+
+
+def error(group_name: str, rank: int, found: str) -> CollectiveError:
+    """Return the error of the mismatch that rank ``rank``'s check ``found`` in its group."""
+    return CollectiveError(
+        f"group {group_name!r}, found on rank {rank}: {found}; NCCL "
+        "moved nothing right, and the group is unusable"
+    )
 
 
 def words(op: str, x: Any, root: int, reduce_op: ReduceOp | None) -> np.ndarray:
@@ -90,40 +131,46 @@ class Check:
         """Allocate the ring on GPU ``device`` and in pinned host memory."""
         cuda = cupy.cuda
         self._cuda = cuda
-        size = SLOTS * 2 * WORDS
+        size = SLOTS * _COUNT
         with cuda.Device(device):
             self._ring = cupy.empty(size, dtype=np.int64)  # no kernel: written before read
             self._events = [cuda.Event(disable_timing=True) for _ in range(SLOTS)]
         self._pinned = cuda.alloc_pinned_memory(size * 8)
         self._host = np.frombuffer(self._pinned, dtype=np.int64, count=size)
         self._words = self._host.data
-        self._ring_ptr = int(self._ring.data.ptr)
-        self._host_ptr = int(self._pinned.ptr)
+        ring, host = int(self._ring.data.ptr), int(self._pinned.ptr)
+        self._slots = [
+            (ring + slot * _COUNT * 8, host + slot * _COUNT * 8, event.ptr)
+            for slot, event in enumerate(self._events)
+        ]
+        """Each slot's result on the GPU, its copy in pinned memory and its event's handle."""
+        runtime = cuda.runtime
+        self._copy, self._record = runtime.memcpyAsync, runtime.eventRecord
         self._next = 0
         self._pending: deque[tuple[int, str]] = deque()
 
     def issue(self, op: str, send: Any, comm: Any, stream: int) -> None:
         """Queue the allreduce of ``send`` (the op's words) and the copy of its result.
 
+        All three calls go on ``stream``: the op's own, or the group's comm stream
+        when the group checks beside its ops (``SIDE``).
+
         Raises:
             CollectiveError: the slot to reuse has not been read: 64 ops are in flight.
 
         """
-        slot = self._next
-        if len(self._pending) == SLOTS:
+        pending = self._pending
+        if len(pending) == SLOTS:
             raise CollectiveError(
                 f"{SLOTS} NCCL ops are in flight on one GPU and the oldest has not finished"
             )
-        self._next = (slot + 1) % SLOTS
-        offset = slot * 2 * WORDS * 8
-        count = 2 * WORDS
-        comm.allReduce(send, self._ring_ptr + offset, count, _INT64, _MAX, stream)
-        runtime = self._cuda.runtime
-        runtime.memcpyAsync(
-            self._host_ptr + offset, self._ring_ptr + offset, count * 8, _D2H, stream
-        )
-        runtime.eventRecord(self._events[slot].ptr, stream)
-        self._pending.append((slot, op))
+        slot = self._next
+        self._next = slot + 1 if slot + 1 < SLOTS else 0
+        result, host, event = self._slots[slot]
+        comm.allReduce(send, result, _COUNT, _INT64, _MAX, stream)
+        self._copy(host, result, _COUNT * 8, _D2H, stream)
+        self._record(event, stream)
+        pending.append((slot, op))
 
     def read(self) -> str | None:
         """Read every finished result in order; return the first mismatch's message, if any.
@@ -142,9 +189,9 @@ class Check:
                     return None
                 raise runtime.CUDARuntimeError(status)
             pending.popleft()
-            base = slot * 2 * WORDS
+            base = slot * _COUNT
             if self._words[base] != -self._words[base + WORDS]:
-                found = self._host[base : base + 2 * WORDS]
+                found = self._host[base : base + _COUNT]
                 return f"{op}: the ranks called different ops or arguments; " + "; ".join(
                     differences(found)
                 )

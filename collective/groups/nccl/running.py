@@ -36,9 +36,10 @@ from typing import Any
 from collective.frameworks import cuda_buffers
 from collective.groups.launches import Launch as PublicLaunch
 from collective.groups.launches import Prepared
+from collective.groups.nccl.checking import NcclChecking
 from collective.groups.nccl.cuda import NcclWork, settled
 from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
-from collective.groups.nccl.lifecycle import Builder, NcclLifecycle
+from collective.groups.nccl.lifecycle import Builder
 from collective.types import ArgumentValueError, CollectiveError, ReduceOp
 from collective.work import Work
 
@@ -50,7 +51,7 @@ them for the op's arguments (see ``_op``); describing a call makes nothing: its
 ``builder`` checks and describes the buffers, once, on the first call of its key."""
 
 
-class NcclRunning(NcclLifecycle):
+class NcclRunning(NcclChecking):
     """Runs each op through its cached launch; ``p2p`` and ``group`` describe the ops."""
 
     def _new_event(self, device: int) -> Any:
@@ -194,7 +195,7 @@ class NcclRunning(NcclLifecycle):
                     and not capturing
                 ):
                     first = (device_buffers[0], devices[0], comms[0], streams[0])
-                    check = self._signed(check_as or op, *first, *signed)
+                    check = self._signed(check_as or op, *first, *signed, timeout)
                 launch = build(op, devices, comms, streams, device_calls, markers, check, callers)
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
@@ -213,8 +214,9 @@ class NcclRunning(NcclLifecycle):
         ``x``, the public call's buffer, is unused: the launch holds its address.
 
         Outside capture, the op's signature check reads the last finished result of
-        its ring first, then goes just ahead of the op; in a group that skips its ops'
-        checks, the op reads the results of the agreements issued before it.
+        its ring first, then goes just ahead of the op (on the op's stream, or beside
+        it: see ``checking``); in a group that skips its ops' checks, the op reads the
+        results of the agreements issued before it.
         """
         with self._op_lock:
             if not self._open:
@@ -226,7 +228,7 @@ class NcclRunning(NcclLifecycle):
                     found = signed.check.read()
                     if found is not None:
                         raise self._mismatched(found)
-                    signed.check.issue(launch.op, signed.ptr, signed.comm, launch.streams[0])
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, signed.stream)
                 elif self._checks and not self._checking and not capturing:
                     failed = self._mismatch()  # the agreements (``agree``) issued before
                     if failed is not None:
@@ -263,7 +265,10 @@ class NcclRunning(NcclLifecycle):
                 if found is not None:
                     raise found
             devices, streams = launch.devices, launch.streams
+            signed, single = launch.signed, launch.single
             try:
+                if signed is not None and self._side:  # beside the op: it waits for nothing
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, signed.stream)
                 for device, stream, caller in zip(devices, streams, launch.callers, strict=True):
                     free = pool.get(device)
                     event = free.pop() if free else self._new_event(device)
@@ -271,9 +276,8 @@ class NcclRunning(NcclLifecycle):
                     with cuda.Device(device):
                         runtime.eventRecord(event.ptr, caller)
                         runtime.streamWaitEvent(stream, event.ptr, 0)
-                signed, single = launch.signed, launch.single
-                if signed is not None:
-                    signed.check.issue(launch.op, signed.ptr, signed.comm, streams[0])
+                if signed is not None and not self._side:
+                    signed.check.issue(launch.op, signed.ptr, signed.comm, signed.stream)
                 if single is not None:
                     single[0](*single[1])
                 else:
