@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +36,7 @@ def _task() -> Any:
 
 
 def read_on_node(
-    path: str, obj_id: str, metas: Sequence[segment.Meta], size: int, pid: int, started: int
+    path: str, obj_id: str, table: segment.Table, size: int, pid: int, started: int
 ) -> np.ndarray:
     """Return the whole file of ``obj_id`` at ``path``, read on the producer's node.
 
@@ -51,7 +50,7 @@ def read_on_node(
 
     """
     try:
-        base = segment.mapped(path, obj_id, metas, size)
+        base = segment.mapped(path, obj_id, table, size)
     except FileNotFoundError:
         raise CollectiveError(segment.gone(obj_id, pid, started)) from None
     if not segment.alive(pid, started):
@@ -61,7 +60,7 @@ def read_on_node(
 
 
 def start(
-    node_id: str, path: str, obj_id: str, metas: Sequence[segment.Meta], size: int, pid: int,
+    node_id: str, path: str, obj_id: str, table: segment.Table, size: int, pid: int,
     started: int,
 ) -> Any:  # fmt: skip
     """Start ``read_on_node`` on node ``node_id``; return the reference to its result."""
@@ -71,7 +70,7 @@ def start(
     return (
         _task()
         .options(scheduling_strategy=strategy)
-        .remote(path, obj_id, list(metas), size, pid, started)
+        .remote(path, obj_id, table, size, pid, started)
     )
 
 
@@ -140,14 +139,14 @@ def fetch(
     return np.asarray(payload)
 
 
-def whole(payload: np.ndarray, obj_id: str, metas: Sequence[segment.Meta], size: int,
+def whole(payload: np.ndarray, obj_id: str, table: segment.Table, size: int,
           private: bool) -> Any:  # fmt: skip
     """Return ``payload``, the whole file of ``obj_id``, as a checked ``uint8`` tensor.
 
     Args:
         payload: what ``fetch`` returned; it must outlive the result unless ``private``.
         obj_id: the object's id.
-        metas: the object's tensors' ``(shape, dtype)``.
+        table: the object's tensors' dtypes and shapes.
         size: the file's bytes.
         private: copy the bytes into memory of this process, to hand out views that
             may be written; else the result views ``payload`` and must only be read
@@ -166,5 +165,5 @@ def whole(payload: np.ndarray, obj_id: str, metas: Sequence[segment.Meta], size:
         base.numpy()[:] = payload
     else:  # read-only memory seen as writable: only ever read
         base = torch.from_numpy(raw_bytes(address(payload), payload.nbytes))
-    segment.check(base, "the bytes read from another node", obj_id, metas, size)
+    segment.check(base, "the bytes read from another node", obj_id, table, size)
     return base

@@ -23,7 +23,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ray.experimental.rdt.tensor_transport_manager import (
@@ -49,7 +49,9 @@ class ShmMetadata(TensorTransportMetadata):
     """Ray's metadata of an object in shared memory: where its file is, and whose it is.
 
     ``started`` is the producer's start time (in clock ticks since boot), which tells
-    the producer from a later process that reuses its pid.
+    the producer from a later process that reuses its pid. ``table`` holds the
+    tensors' dtypes and shapes packed: the metadata pickles as it, at every hop
+    through Ray, and ``tensor_meta`` is rebuilt from it where it lands.
     """
 
     obj_id: str = ""
@@ -58,6 +60,18 @@ class ShmMetadata(TensorTransportMetadata):
     node_id: str = ""
     pid: int = 0
     started: int = 0
+    table: segment.Table | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle every field but ``tensor_meta``, which the ``table`` rebuilds."""
+        kept = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tensor_meta"}
+        return _unpickled, (kept,)
+
+
+def _unpickled(kept: dict[str, Any]) -> ShmMetadata:
+    """Return the ``ShmMetadata`` whose fields ``ShmMetadata.__reduce__`` kept."""
+    table = kept["table"]
+    return ShmMetadata(table.metas() if table is not None else [], **kept)
 
 
 @dataclass
@@ -135,28 +149,34 @@ class ShmTransport(TensorTransportManager):
         """
         import torch
 
-        on_gpu = [self._cuda.gpus.holds(t) for t in rdt_object]
+        on_gpu = list(map(self._cuda.gpus.holds, rdt_object))
         if any(on_gpu) and all(on_gpu):
             return self._cuda.publish(obj_id, rdt_object)
+        dense = torch.strided
+        if any(on_gpu) or not all(t.is_cpu and t.layout == dense for t in rdt_object):
+            t = next(
+                t
+                for t, gpu in zip(rdt_object, on_gpu, strict=True)
+                if gpu or t.device.type != "cpu" or t.layout != dense
+            )
+            raise ArgumentTypeError(
+                f"tensor transport {SHM_NAME!r} moves an object's tensors when they are "
+                f"all dense CPU tensors or all CUDA ones, got a {t.layout} tensor on "
+                f"{t.device} among tensors on {sorted({str(x.device) for x in rdt_object})}"
+            )
         metas = [(t.shape, t.dtype) for t in rdt_object]
-        for t, gpu in zip(rdt_object, on_gpu, strict=True):
-            if gpu or t.device.type != "cpu" or t.layout != torch.strided:
-                raise ArgumentTypeError(
-                    f"tensor transport {SHM_NAME!r} moves an object's tensors when they are "
-                    f"all dense CPU tensors or all CUDA ones, got a {t.layout} tensor on "
-                    f"{t.device} among tensors on {sorted({str(x.device) for x in rdt_object})}"
-                )
         with self._lock:
             held = self._held.get(obj_id)
         if held is not None:
             return held
         if not rdt_object:
             return ShmMetadata(metas, None, obj_id=obj_id)
-        path, size = segment.write(obj_id, rdt_object)
+        table = segment.Table.of(metas)
+        path, size = segment.write(obj_id, rdt_object, table)
         pid = os.getpid()
         meta = ShmMetadata(
             metas, "cpu", obj_id=obj_id, path=path, size=size, node_id=_node_id(), pid=pid,
-            started=segment.started(pid) or 0,
+            started=segment.started(pid) or 0, table=table,
         )  # fmt: skip
         with self._lock:
             self._held[obj_id] = meta
@@ -223,12 +243,12 @@ class ShmTransport(TensorTransportManager):
             return FetchRequest(obj_id, target_buffers or [])
         if meta.node_id != _node_id():
             ref = remote_read.start(
-                meta.node_id, meta.path, meta.obj_id, meta.tensor_meta, meta.size, meta.pid,
+                meta.node_id, meta.path, meta.obj_id, _table(meta), meta.size, meta.pid,
                 meta.started,
             )  # fmt: skip
             return RemoteFetch(obj_id, [], meta, ref, target_buffers)
         try:
-            views = segment.read(meta.path, meta.obj_id, meta.tensor_meta, meta.size)
+            views = segment.read(meta.path, meta.obj_id, _table(meta), meta.size)
         except FileNotFoundError:
             raise CollectiveError(_gone(meta)) from None
         if not segment.alive(meta.pid, meta.started):
@@ -266,10 +286,11 @@ class ShmTransport(TensorTransportManager):
                 if read.aborted.is_set():
                     raise CollectiveError(_aborted(fetch_request.obj_id)) from None
                 raise
+            table = _table(meta)
             base = remote_read.whole(  # with ``targets``, a view of ``payload``, kept here
-                payload, meta.obj_id, meta.tensor_meta, meta.size, private=targets is None
+                payload, meta.obj_id, table, meta.size, private=targets is None
             )
-            views = segment.views(base, meta.tensor_meta)
+            views = segment.views(base, table)
             if targets is None:
                 if read.aborted.is_set():
                     raise CollectiveError(_aborted(fetch_request.obj_id))
@@ -347,6 +368,11 @@ def _checked(meta: Any) -> ShmMetadata:
     if not isinstance(meta, ShmMetadata):
         raise CollectiveError(f"expecting {ShmMetadata.__name__}, got {type(meta).__name__}")
     return meta
+
+
+def _table(meta: ShmMetadata) -> segment.Table:
+    """Return the table of ``meta``'s tensors (rebuilt from ``tensor_meta`` if it has none)."""
+    return meta.table if meta.table is not None else segment.Table.of(meta.tensor_meta)
 
 
 def _gone(meta: ShmMetadata) -> str:
