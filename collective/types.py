@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -55,6 +56,15 @@ def bounded_timeout(timeout: object, name: str = "timeout") -> timedelta | None:
     if timeout <= timedelta(0):
         raise ArgumentValueError(f"{name} must be positive, got {timeout}")
     return min(timeout, LONGEST_TIMEOUT)
+
+
+def time_left(deadline: float) -> timedelta:
+    """Return the time from now until ``deadline`` (a ``time.monotonic`` time), at least 1 ms.
+
+    A wait with what is left of an op's deadline never gets a zero or negative timeout,
+    which would not wait at all or be refused.
+    """
+    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
 
 
 def _foreign_name(value: object, enum_name: str) -> str | None:

@@ -33,6 +33,7 @@ from collective.types import (
     ArgumentValueError,
     CollectiveError,
     CollectiveTimeoutError,
+    time_left,
 )
 
 _lock = threading.Lock()
@@ -163,7 +164,7 @@ def _agree(
     for peer in ranks:
         if peer == me:
             continue
-        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        left = time_left(deadline)
         try:
             theirs = json.loads(meeting.get(f"member/{peer}", left))
         except TimeoutError as exc:

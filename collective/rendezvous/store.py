@@ -13,6 +13,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from collective.types import time_left
+
 
 def abort_key(rank: int) -> str:
     """Return the store key under which failures are reported to ``rank``."""
@@ -124,7 +126,7 @@ def meet(
     deadline = time.monotonic() + timeout.total_seconds()
 
     def left() -> timedelta:
-        return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        return time_left(deadline)
 
     store.set(f"{prefix}/arrived/{rank}", b"1")
     if rank != 0:
@@ -148,7 +150,7 @@ def gather_arrivals(
     """
     values = []
     for peer in range(1, world_size):
-        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        left = time_left(deadline)
         try:
             values.append(store.get(key_of(peer), left))
         except TimeoutError:

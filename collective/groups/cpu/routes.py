@@ -22,9 +22,7 @@ ops then skip their own agreement.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -45,6 +43,7 @@ from collective.types import (
     CollectiveError,
     ReduceOp,
     ReduceOptions,
+    time_left,
 )
 
 Local = Collectives | LocalCopies
@@ -135,10 +134,6 @@ def _tensor(data: np.ndarray, like: CpuBuffer) -> Any:
     return torch_view(data, like.torch_dtype)
 
 
-def _left(deadline: float) -> timedelta:
-    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-
-
 class Hierarchy:
     """Ranks on several nodes: shared memory inside each, Gloo among the nodes' leaders."""
 
@@ -185,7 +180,7 @@ class Hierarchy:
         dtype = call.dtype or ""
         self.local.agree(call.op, dtype, reduce_op, call.root, call.nbytes(), deadline)
         if self.topo.is_leader:
-            self._across(lambda g: g.agree(call, _left(deadline)))
+            self._across(lambda g: g.agree(call, time_left(deadline)))
 
     def _local_op(self, op: ReduceOp, dtype: str) -> Reducer:
         """Return the reducer of the local stages: AVG sums, and divides only at the end."""
@@ -219,7 +214,7 @@ class Hierarchy:
         self.local.reduce(data, 0, self._local_op(op, dtype), dtype, deadline)
         if self.topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
-            options = AllReduceOptions(gloo_op, _left(deadline))
+            options = AllReduceOptions(gloo_op, time_left(deadline))
             self._across(lambda g: g.allreduce([_tensor(data, buf)], options))
             self._finish(op, dtype, data)
         self.local.broadcast(data, 0, dtype, deadline)
@@ -235,7 +230,7 @@ class Hierarchy:
         self.local.reduce(data, 0, self._local_op(op, dtype), dtype, deadline)
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
-            options = ReduceOptions(gloo_op, root_node, 0, _left(deadline))
+            options = ReduceOptions(gloo_op, root_node, 0, time_left(deadline))
             self._across(lambda g: g.reduce([_tensor(data, buf)], options))
             if topo.node == root_node:
                 self._finish(op, dtype, data)
@@ -253,7 +248,7 @@ class Hierarchy:
         if topo.node == root_node and root != leader_of_root:
             self.local.relay(data, topo.local_rank_of(root), 0, dtype, deadline)
         if topo.is_leader:
-            options = BroadcastOptions(root_node, 0, _left(deadline))
+            options = BroadcastOptions(root_node, 0, time_left(deadline))
             self._across(lambda g: g.broadcast([_tensor(data, buf)], options))
         self.local.broadcast(data, 0, dtype, deadline)
 
@@ -271,7 +266,9 @@ class Hierarchy:
         if topo.is_leader:
             rows = [_tensor(block[n].reshape(-1), source) for n in range(len(topo.nodes))]
             ours = _tensor(mine.reshape(-1).copy(), source)
-            self._across(lambda g: g.allgather([rows], [ours], AllGatherOptions(_left(deadline))))
+            self._across(
+                lambda g: g.allgather([rows], [ours], AllGatherOptions(time_left(deadline)))
+            )
         self.local.broadcast(full, 0, dtype, deadline)
         for node, ranks in enumerate(topo.nodes):
             for i, rank in enumerate(ranks):
@@ -288,7 +285,7 @@ class Hierarchy:
         self.local.reduce(whole, 0, self._local_op(op, dtype), dtype, deadline)
         if topo.is_leader:
             gloo_op = ReduceOp.SUM if op is ReduceOp.AVG else op
-            options = AllReduceOptions(gloo_op, _left(deadline))
+            options = AllReduceOptions(gloo_op, time_left(deadline))
             self._across(lambda g: g.allreduce([_tensor(whole, output)], options))
             self._finish(op, dtype, whole)
         chunks = [whole[r * size : (r + 1) * size] for r in topo.local_ranks]
@@ -299,5 +296,5 @@ class Hierarchy:
         self._agree(Call("barrier"), deadline)
         self.local.barrier(deadline)
         if self.topo.is_leader:
-            self._across(lambda g: g.barrier(BarrierOptions(_left(deadline))))
+            self._across(lambda g: g.barrier(BarrierOptions(time_left(deadline))))
         self.local.barrier(deadline)

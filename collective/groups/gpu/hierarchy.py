@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from collective.groups.gpu.running import NO_ROOT, HierarchyRunning
-from collective.groups.gpu.stages import left
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -47,6 +46,7 @@ from collective.types import (
     ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
+    time_left,
 )
 from collective.work import Work
 
@@ -68,7 +68,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             collectives.reduce(data, 0, local, dtype, deadline)
             if self._leaders is not None:
                 x = self._arrays.typed(data, dtype)
-                step = AllReduceOptions(summed, left(deadline))
+                step = AllReduceOptions(summed, time_left(deadline))
                 self._across(stream, x, lambda g: g.allreduce([x], step))
                 finish.finish(data)
             collectives.broadcast(data, 0, dtype, deadline)
@@ -93,7 +93,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             collectives.reduce(work, 0, local, dtype, deadline)
             if self._leaders is not None:
                 x = self._arrays.typed(work, dtype)
-                step = ReduceOptions(summed, root_gpu, 0, left(deadline))
+                step = ReduceOptions(summed, root_gpu, 0, time_left(deadline))
                 self._across(stream, x, lambda g: g.reduce([x], step))
                 if topo.node == root_gpu:
                     finish.finish(work)
@@ -118,7 +118,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             if topo.node == root_gpu and relayed:
                 collectives.relay(own, topo.local_rank_of(root), 0, dtype, deadline)
             if self._leaders is not None:
-                step = BroadcastOptions(root_gpu, 0, left(deadline))
+                step = BroadcastOptions(root_gpu, 0, time_left(deadline))
                 self._across(stream, own, lambda g: g.broadcast([own], step))
             collectives.broadcast(own, 0, dtype, deadline)
 
@@ -132,7 +132,7 @@ class GpuHierarchyGroup(HierarchyRunning):
         def body(deadline: float) -> None:
             self._agree("barrier", None, None, NO_ROOT, None, stream, deadline)
             if self._leaders is not None:
-                step = BarrierOptions(left(deadline))
+                step = BarrierOptions(time_left(deadline))
                 self._across(stream, self._flag, lambda g: g.barrier(step))
             collectives.barrier(deadline)
 
@@ -157,7 +157,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             self._agree("allgather", source, piece, NO_ROOT, None, stream, deadline)
             block, mine, rows = self._onto_leader(piece, dtype, deadline)
             if self._leaders is not None:
-                ours, step = mine.copy(), AllGatherOptions(left(deadline))
+                ours, step = mine.copy(), AllGatherOptions(time_left(deadline))
                 self._across(stream, ours, lambda g: g.allgather([rows], [ours], step))
             collectives.broadcast(block, 0, dtype, deadline)
             self._copy_out(views, block, size)
@@ -210,7 +210,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             collectives.reduce(whole, 0, local, dtype, deadline)
             if self._leaders is not None:
                 x = self._arrays.typed(whole, dtype)
-                step = AllReduceOptions(summed, left(deadline))
+                step = AllReduceOptions(summed, time_left(deadline))
                 self._across(stream, x, lambda g: g.allreduce([x], step))
                 finish.finish(whole)
             chunks = [whole[r * size : (r + 1) * size] for r in topo.local_ranks]
@@ -240,7 +240,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             block, mine, rows = self._onto_leader(piece, dtype, deadline)
             if self._leaders is not None:
                 rows = rows if topo.node == root_gpu else []
-                ours, step = mine.copy(), GatherOptions(root_gpu, left(deadline))
+                ours, step = mine.copy(), GatherOptions(root_gpu, time_left(deadline))
                 self._across(stream, ours, lambda g: g.gather([rows], [ours], step))
             if topo.node == root_gpu and relayed:
                 collectives.relay(block, 0, topo.local_rank_of(root), dtype, deadline)
@@ -277,7 +277,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             if self._leaders is not None:
                 rows = [block[h * row : (h + 1) * row] for h in range(len(topo.nodes))]
                 rows = rows if topo.node == root_gpu else []
-                step = ScatterOptions(root_gpu, left(deadline))
+                step = ScatterOptions(root_gpu, time_left(deadline))
                 self._across(stream, mine, lambda g: g.scatter([mine], [rows], step))
             chunks = [mine[i * size : (i + 1) * size] for i in range(len(topo.local_ranks))]
             collectives.scatter(chunks if topo.is_leader else [], out, 0, dtype, deadline)
@@ -341,7 +341,7 @@ class GpuHierarchyGroup(HierarchyRunning):
                     sends[h][at : at + size] = lines[
                         i * line + r * size : i * line + (r + 1) * size
                     ]
-        step = AllToAllOptions(left(deadline))
+        step = AllToAllOptions(time_left(deadline))
         self._across(stream, receives[0], lambda g: g.alltoall(receives, sends, step))
         for h, ranks in enumerate(topo.nodes):
             for i, src in enumerate(ranks):

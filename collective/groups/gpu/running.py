@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.frameworks.cuda_buffers import CudaBuffer
-from collective.groups.gpu.stages import DEVICE_ARRAYS, Arrays, MakeStages, Stages, left
+from collective.groups.gpu.stages import DEVICE_ARRAYS, Arrays, MakeStages, Stages
 from collective.groups.shared_gpu.group import SharedGpuGroup
 from collective.groups.topology import Topology
 from collective.rendezvous.store import PrefixedRendezvousStore, RendezvousStore
@@ -28,6 +28,7 @@ from collective.types import (
     RecvOptions,
     ReduceOp,
     SendOptions,
+    time_left,
 )
 from collective.work import Work
 
@@ -186,7 +187,7 @@ class HierarchyRunning(SharedGpuGroup):
         collectives.agree(op, dtype, code, root, nbytes, deadline)
         if self._leaders is not None:
             x = self._flag if buf is None else self._arrays.typed(data, buf.dtype)
-            self._across(stream, x, lambda g: g.agree(op, x, root, reduce_op, left(deadline)))
+            self._across(stream, x, lambda g: g.agree(op, x, root, reduce_op, time_left(deadline)))
 
     def _reducers(self, op: ReduceOp, dtype: str) -> tuple[Any, Any, ReduceOp]:
         """Return the stages' reducer (AVG sums), the one that finishes, and the leaders' op."""

@@ -7,7 +7,6 @@ arrays it makes itself (typed views, scratch, a stream made current for a view).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -95,8 +94,3 @@ class Arrays:
 
 
 DEVICE_ARRAYS = Arrays(device_arrays.typed, device_arrays.empty, device_arrays.on_stream)
-
-
-def left(deadline: float) -> timedelta:
-    """Return what is left until ``deadline`` (``time.monotonic``), at least a millisecond."""
-    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
