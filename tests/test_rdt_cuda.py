@@ -232,7 +232,7 @@ def test_the_producer_reads_its_own_buffer_and_its_free_waits_for_that_read(
     outcome: list[Any] = []
     thread = threading.Thread(target=lambda: outcome.append(read(machine.producer, meta)))
     thread.start()
-    while not machine.producer._cuda._reads:
+    while not machine.producer._cuda._reads.count():
         time.sleep(0.001)
     machine.producer.garbage_collect("obj", meta, want)
     assert machine.gpu.live()[0] == 1  # the read in flight keeps the buffer
@@ -253,7 +253,7 @@ def test_concurrent_reads_in_one_process_open_the_handle_once(machine: Machine) 
     ]
     for thread in threads:
         thread.start()
-    while len(machine.consumers[0]._cuda._reads.get("obj", [])) < 3:
+    while machine.consumers[0]._cuda._reads.count("obj") < 3:
         time.sleep(0.001)
     assert machine.open_anywhere()[1] == (1, 1)
     machine.stuck.clear()
@@ -282,7 +282,7 @@ def test_abort_ends_a_pending_read_and_its_mapping_closes_once_the_copy_complete
 
     thread = threading.Thread(target=reading)
     thread.start()
-    while not consumer._cuda._reads:
+    while not consumer._cuda._reads.count():
         time.sleep(0.001)
     start = time.monotonic()
     consumer.abort_transport("obj", ShmCommunicatorMetadata())

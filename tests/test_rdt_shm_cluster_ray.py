@@ -187,7 +187,7 @@ def _stalled_read(meta: Any, abort: bool) -> tuple[str, float]:
     start = time.monotonic()
     thread.start()
     if abort:
-        while meta.obj_id not in manager._reads and thread.is_alive():  # the read is in flight
+        while not manager._reads.count(meta.obj_id) and thread.is_alive():  # the read is in flight
             time.sleep(0.001)
         start = time.monotonic()
         manager.abort_transport(meta.obj_id, ShmCommunicatorMetadata())

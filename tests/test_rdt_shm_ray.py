@@ -215,7 +215,7 @@ def _read_then_abort(meta: Any) -> tuple[str, float]:
     chunk, shm_transport.CHUNK_BYTES = shm_transport.CHUNK_BYTES, 4096
     try:
         thread.start()
-        while not manager._reads and thread.is_alive():
+        while not manager._reads.count() and thread.is_alive():
             time.sleep(0.0005)
         start = time.monotonic()
         manager.abort_transport(meta.obj_id, ShmCommunicatorMetadata())

@@ -30,9 +30,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -48,6 +47,7 @@ from collective.ray_plugins.cuda_buffer import (
 )
 from collective.ray_plugins.cuda_gpus import Gpus, IpcDevice, follow
 from collective.ray_plugins.names import DEFAULT_NAME, SHM_NAME
+from collective.ray_plugins.reads import Read, Reads
 from collective.types import ArgumentTypeError, CollectiveError, CollectiveTimeoutError
 
 LIVENESS_S = 0.1
@@ -76,13 +76,6 @@ class _Mapping:
     users: int = 0
 
 
-@dataclass
-class _Read:
-    """One read in flight in this process: ``abort`` sets ``aborted`` to end it."""
-
-    aborted: threading.Event = field(default_factory=threading.Event)
-
-
 class CudaObjects:
     """The CUDA objects this process produced, and its reads of other processes' objects."""
 
@@ -93,7 +86,7 @@ class CudaObjects:
         self._opening = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._mapped: dict[bytes, _Mapping] = {}
-        self._reads: dict[str, list[_Read]] = {}
+        self._reads = Reads()
         self._parked: list[tuple[IpcDevice, int, Any]] = []
         """(device, done event, release): reads whose copies had not completed."""
 
@@ -194,7 +187,7 @@ class CudaObjects:
             check_targets(meta, targets)
         if meta.size == 0:
             return targets if targets is not None else views(meta, self.gpus.empty(0, device))
-        with self._reading(meta.obj_id) as read:
+        with self._reads.holding(meta.obj_id) as read:
             caller, stream = self.gpus.stream(device), self.gpus.side_stream(device)
             done, release = 0, None
             try:
@@ -265,7 +258,7 @@ class CudaObjects:
         return _Mapping(device, ptr, event)
 
     def _wait(
-        self, meta: CudaIpcMetadata, device: IpcDevice, done: int, read: _Read, timeout_s: float
+        self, meta: CudaIpcMetadata, device: IpcDevice, done: int, read: Read, timeout_s: float
     ) -> None:
         """Wait until ``done`` completes: poll, sleeping longer each time, up to 1 ms.
 
@@ -297,21 +290,6 @@ class CudaObjects:
             raise CollectiveError(_aborted(meta.obj_id))
         if not segment.alive(meta.pid, meta.started):  # its event may have been torn down
             raise CollectiveError(gone(meta))
-
-    @contextmanager
-    def _reading(self, obj_id: str) -> Iterator[_Read]:
-        """Hold a read of ``obj_id`` that ``abort`` can end."""
-        read = _Read()
-        with self._lock:
-            self._reads.setdefault(obj_id, []).append(read)
-        try:
-            yield read
-        finally:
-            with self._lock:
-                reads = self._reads[obj_id]
-                reads.remove(read)
-                if not reads:
-                    del self._reads[obj_id]
 
     def _release_later(self, device: IpcDevice, done: int, release: Any) -> None:
         """End a failed read: release its mapping now if no copy is pending, else park it."""
@@ -374,10 +352,7 @@ class CudaObjects:
 
     def abort(self, obj_id: str) -> None:
         """End this process's reads of ``obj_id`` in flight; each raises ``CollectiveError``."""
-        with self._lock:
-            reads = list(self._reads.get(obj_id, []))
-        for read in reads:
-            read.aborted.set()
+        self._reads.abort(obj_id)
 
 
 def _release(held: _Held) -> None:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ray.experimental.rdt.tensor_transport_manager import (
@@ -38,6 +37,7 @@ from collective.ray_plugins.cuda_buffer import CudaIpcMetadata
 from collective.ray_plugins.cuda_gpus import Gpus, TorchGpus
 from collective.ray_plugins.cuda_objects import CudaObjects
 from collective.ray_plugins.names import SHM_NAME
+from collective.ray_plugins.reads import Read, Reads
 from collective.types import ArgumentTypeError, CollectiveError
 
 CHUNK_BYTES = 16 << 20
@@ -91,14 +91,6 @@ class RemoteFetch(FetchRequest):
     targets: list[Any] | None = None
 
 
-@dataclass
-class _Read:
-    """One read in flight in this process: set ``aborted`` (and cancel ``ref``) to end it."""
-
-    aborted: threading.Event = field(default_factory=threading.Event)
-    ref: Any = None
-
-
 class ShmTransport(TensorTransportManager):
     """A one-sided tensor transport for CPU tensors from any node to any node, CUDA ones on one GPU.
 
@@ -115,7 +107,7 @@ class ShmTransport(TensorTransportManager):
         self._cuda = CudaObjects(gpus or TorchGpus())
         self._lock = threading.Lock()
         self._held: dict[str, ShmMetadata] = {}
-        self._reads: dict[str, list[_Read]] = {}
+        self._reads = Reads()
         atexit.register(self._unlink_all)
 
     def tensor_transport_backend(self) -> str:
@@ -256,7 +248,7 @@ class ShmTransport(TensorTransportManager):
             raise CollectiveError(_gone(meta))
         if target_buffers is None:
             return FetchRequest(obj_id, views)
-        with self._reading(obj_id) as read:
+        with self._reads.holding(obj_id) as read:
             self._copy(obj_id, read, views, target_buffers)
         return FetchRequest(obj_id, target_buffers)
 
@@ -277,7 +269,7 @@ class ShmTransport(TensorTransportManager):
             return fetch_request.tensors
         timeout_s = timeout if timeout >= 0 else _fetch_timeout_s()
         meta, targets = fetch_request.meta, fetch_request.targets
-        with self._reading(fetch_request.obj_id, fetch_request.ref) as read:
+        with self._reads.holding(fetch_request.obj_id, fetch_request.ref) as read:
             try:
                 payload = remote_read.fetch(
                     fetch_request.ref, meta.obj_id, meta.node_id, timeout_s, SHM_NAME, read.aborted
@@ -298,22 +290,7 @@ class ShmTransport(TensorTransportManager):
             self._copy(fetch_request.obj_id, read, views, targets)
         return targets
 
-    @contextmanager
-    def _reading(self, obj_id: str, ref: Any = None) -> Iterator[_Read]:
-        """Hold a read of ``obj_id`` (through the task ``ref``, if any) that abort can end."""
-        read = _Read(ref=ref)
-        with self._lock:
-            self._reads.setdefault(obj_id, []).append(read)
-        try:
-            yield read
-        finally:
-            with self._lock:
-                reads = self._reads[obj_id]
-                reads.remove(read)
-                if not reads:
-                    del self._reads[obj_id]
-
-    def _copy(self, obj_id: str, read: _Read, views: Sequence[Any], targets: Sequence[Any]) -> None:
+    def _copy(self, obj_id: str, read: Read, views: Sequence[Any], targets: Sequence[Any]) -> None:
         """Copy ``views`` into ``targets`` by chunks, until done or ``read`` is aborted."""
         for target, view in zip(targets, views, strict=True):
             if not view.numel():
@@ -348,11 +325,7 @@ class ShmTransport(TensorTransportManager):
         import ray
 
         self._cuda.abort(obj_id)
-        with self._lock:
-            reads = list(self._reads.get(obj_id, []))
-        for read in reads:
-            read.aborted.set()
-        for read in reads:
+        for read in self._reads.abort(obj_id):
             if read.ref is not None:
                 ray.cancel(read.ref)
 
