@@ -90,6 +90,8 @@ class HostDevice:
         """(event, its records after this record), in order."""
         self.streams: list[tuple[str, int, int]] = []
         """("record" or "wait", the event, the stream), in order."""
+        self.synchronized = 0
+        """How many times ``synchronize`` was called."""
         self.settles = True
         """What ``settle`` says: False stands for device work that never finishes."""
         self.opened_memory: dict[int, int] = {}
@@ -216,4 +218,5 @@ class HostDevice:
         return self.settles
 
     def synchronize(self) -> None:
-        """Do nothing: every operation has finished already."""
+        """Count the call: every operation has finished already."""
+        self.synchronized += 1

@@ -379,6 +379,30 @@ def _reapers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "collective-free-slots"]
 
 
+def test_the_slots_zero_fill_is_finished_once_at_connect_and_never_per_op() -> None:
+    """``cudaMemset`` runs on the legacy stream, which a torch stream does not wait for:
+    the device is synchronised once, after the slots are made, before any peer maps them."""
+
+    def fn(t: SharedGpu, device: HostDevice, rank: int) -> int:
+        at_connect = device.synchronized
+        c = t.collectives
+        assert c is not None
+        x = _inputs(rank, 100, "float32")
+        for _ in range(3):
+            t.run(
+                1,
+                c.allreduce,
+                x.view(np.uint8),
+                t.reducer(ReduceOp.SUM, "float32"),
+                "float32",
+                _deadline(),
+            )
+        assert device.synchronized == at_connect
+        return at_connect
+
+    assert run_gpu(2, fn) == [1, 1]
+
+
 def test_slot_size_is_checked() -> None:
     assert slot_bytes_for(4, 1024) == 1024
     with pytest.raises(ValueError, match="multiple of 256"):

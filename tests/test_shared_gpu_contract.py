@@ -143,6 +143,26 @@ def test_each_stream_is_wrapped_once_for_cupy_and_entered_on_the_gpu() -> None:
     assert _Device.entered == [0]  # the GPU was made current first
 
 
+def test_cupy_before_14_wraps_a_stream_with_external_stream_on_the_groups_gpu() -> None:
+    """cupy 13 has no ``Stream.from_external``: the stream is wrapped as an
+    ``ExternalStream`` of the group's GPU, once."""
+    made: list[tuple[int, int]] = []
+
+    class OldStream:  # cupy 13's Stream: no from_external
+        pass
+
+    def external(ptr: int, device_id: int) -> Any:
+        made.append((ptr, device_id))
+        return SimpleNamespace(ptr=ptr)
+
+    device, _ = _device()
+    device._cupy.cuda.Stream = OldStream
+    device._cupy.cuda.ExternalStream = external
+    first, second = device.on_stream(0x1234), device.on_stream(0x1234)
+    assert first._stream is second._stream
+    assert made == [(0x1234, 0)]
+
+
 @pytest.mark.parametrize("method", ["free", "close_memory", "destroy_event", "synchronize"])
 def test_teardown_calls_run_on_the_groups_gpu(method: str) -> None:
     device, _ = _device()

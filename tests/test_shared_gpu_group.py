@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from collective.frameworks import device_arrays
 from collective.frameworks.bytelist import ByteList
 from collective.frameworks.cuda_buffers import CudaBuffer
 from collective.groups.gpu import connect
@@ -330,6 +331,31 @@ def test_a_list_with_strided_tensors_and_a_byte_list_move_whole() -> None:
         for i, t in enumerate(got[:4]):
             np.testing.assert_array_equal(t, _data(60 + i, 40 * (i + 1)).reshape(2, -1).T)
         np.testing.assert_array_equal(got[4], _data(7, 999))
+
+
+def test_staged_tensors_are_written_back_on_the_ops_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An async list op runs on the group's thread, whose current torch stream is not the
+    caller's: each write-back of a staged (strided) tensor runs with the op's stream made
+    current for it (stream 5 here), on every rank that receives."""
+    made: list[tuple[int, int]] = []
+    real = device_arrays.on_stream
+
+    def on_stream(x: Any, stream: int) -> Any:
+        made.append((id(x), stream))
+        return real(x, stream)
+
+    monkeypatch.setattr(device_arrays, "on_stream", on_stream)
+
+    def fn(g: SharedGpuGroup, rank: int) -> list[int]:
+        base = [_data(60 + i, 40).reshape(2, -1) for i in range(2)]
+        tensors = [b.T for b in base] if rank == 0 else [np.zeros_like(b).T for b in base]
+        g.broadcast_list(tensors, BroadcastOptions(root_rank=0, async_op=True)).wait()
+        return [id(t) for t in tensors]
+
+    ids = run_group(2, fn)
+    assert sorted(made) == sorted((i, 5) for i in ids[1])  # the receiver's two, nothing else
 
 
 def test_a_graph_capture_is_refused_before_anything_moves() -> None:
