@@ -29,8 +29,9 @@ ANSWER_WAIT = timedelta(seconds=2)
 ANSWER_SHARE = 0.1
 """The share of a timeout that a timed-out op waits on top for the peers' progress answers."""
 
-LEAST_ANSWER_WAIT = timedelta(milliseconds=50)
-"""The shortest wait for the answers: what a live peer needs to give one."""
+LEAST_ANSWER_WAIT = timedelta(milliseconds=250)
+"""The shortest wait for the answers: what a live peer on a busy node needs to give one
+(its watch thread wakes and makes two store calls, each a round trip to the store actor)."""
 
 
 def answer_wait(timeout: timedelta) -> timedelta:
