@@ -234,20 +234,28 @@ def test_transformer_workloads_come_near_their_size_and_count(total: int, count:
         )
 
 
-def test_gloo_agreement_benchmark_times_every_op_with_and_without_the_check() -> None:
+def test_gloo_agreement_benchmark_times_every_op_with_and_without_the_check(
+    tmp_path: Path,
+) -> None:
     from benchmarks import gloo_agreement
 
-    lines = gloo_agreement.main(["--rounds", "1", "--sizes", "8,16K", "--iters", "3"])
-    assert len(lines) == 2 * 2 * 2, lines
+    out = tmp_path / "agreement.json"
+    argv = ["--world-size", "3", "--rounds", "1", "--sizes", "8,16K", "--iters", "3"]
+    lines = gloo_agreement.main([*argv, "--json", str(out)])
+    assert len(lines) == 2 * 2 * 3, lines
     for op in ("allreduce", "broadcast"):
         for size in ("8 B", "16384 B"):
-            for mode in ("without", "with "):
+            for mode in ("without", "with ", "ring"):
                 assert any(op in line and size in line and mode in line for line in lines), (
                     op,
                     size,
                     mode,
                     lines,
                 )
+    (run,) = json.loads(out.read_text())
+    assert run["meta"]["world_size"] == 3 and run["meta"]["cpus"]
+    assert len(run["results"]) == len(lines)
+    assert all(r["median_us"] > 0 for r in run["results"])
 
 
 def test_elastic_benchmark_runs_every_row_in_quick_mode(tmp_path: Path) -> None:

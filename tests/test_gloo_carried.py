@@ -23,6 +23,7 @@ from collective.types import (
     GatherOptions,
     ReduceOp,
     ReduceOptions,
+    ReduceScatterOptions,
 )
 from tests.test_gloo_group import (
     CLASSIC_OPS,
@@ -137,3 +138,57 @@ def test_rooted_and_gathering_ops_on_both_sides_of_the_limit(world_size: int, dt
             assert len(got["gather", count]) == (world_size if rank == root else 0)
             for i, part in enumerate(got["gather", count]):
                 assert_equal(part, inputs[i], f"gather part {i} {what}")
+
+
+def _chunk_counts(world_size: int, dtype: str) -> list[int]:
+    """Return the chunk lengths whose lists just fit in the records, and just do not."""
+    fits = capacity(world_size) // world_size // ITEMSIZE.get(dtype, 1)
+    return [fits, fits + 1]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reducescatter_on_both_sides_of_the_limit(world_size: int) -> None:
+    """Each rank carries its whole list: chunks of a world size-th of the records fit."""
+    cases = [
+        (kind, dtype, op, count)
+        for dtype in DTYPES
+        for kind in _kinds(dtype)
+        for op in CLASSIC_OPS
+        for count in _chunk_counts(world_size, dtype)
+    ]
+
+    def chunks(rank: int, dtype: str, count: int) -> list[np.ndarray]:
+        whole = _values(rank, dtype, count * world_size)
+        return [whole[i * count : (i + 1) * count] for i in range(world_size)]
+
+    def fn(group: BaseGroup, rank: int) -> dict[tuple[Any, ...], np.ndarray]:
+        out = {}
+        for kind, dtype, op, count in cases:
+            inputs = [make(kind, c, dtype) for c in chunks(rank, dtype, count)]
+            before = [as_numpy(i).copy() for i in inputs]
+            x = make(kind, np.zeros(count), dtype)
+            group.reducescatter([x], [inputs], ReduceScatterOptions(op))
+            for i, b in zip(inputs, before, strict=True):
+                assert_equal(as_numpy(i), b, "an input was written")
+            out[kind, dtype, op, count] = as_numpy(x)
+        return out
+
+    results = run_ranks(world_size, fn)
+    for kind, dtype, op, count in cases:
+        for rank, result in enumerate(results):
+            expected = reference([chunks(r, dtype, count)[rank] for r in range(world_size)], op)
+            what = f"{kind} {dtype} {op.name} chunks of {count} on rank {rank}"
+            assert_equal(result[kind, dtype, op, count], expected, what)
+
+
+def test_a_carried_reducescatter_into_its_own_chunk() -> None:
+    """``reducescatter(chunks[rank], chunks)``: the rank's chunk takes the result."""
+
+    def fn(group: BaseGroup, rank: int) -> list[list[float]]:
+        parts = [np.full(4, float(rank * 10 + i), dtype=np.float32) for i in range(2)]
+        group.reducescatter([parts[rank]], [parts], ReduceScatterOptions(ReduceOp.SUM))
+        return [p.tolist() for p in parts]
+
+    results = run_ranks(2, fn)
+    assert results[0] == [[10.0] * 4, [1.0] * 4]
+    assert results[1] == [[10.0] * 4, [12.0] * 4]

@@ -5,14 +5,16 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 from collective.groups.gloo.group import GlooGroup
+from collective.groups.watch import FailureWatch
 from collective.rendezvous.incarnation import IncarnationStore
-from collective.rendezvous.store import TCPRendezvousStore
+from collective.rendezvous.store import TCPRendezvousStore, report_failure
 from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError
 from tests.test_gloo_group import GROUP_TIMEOUT, _client_store, _master_store, _run_threads
 
@@ -108,3 +110,70 @@ def test_two_incarnations_of_one_name_share_a_store_without_mixing() -> None:
     finally:
         for group in old + new:
             group.destroy_group()
+
+
+# --- the progress queries: several at once, and one that lands on a failure report --------
+
+
+class _BusyWatcher(TCPRendezvousStore):
+    """A store whose watcher reads the abort key only ``delay_s`` after it is rung.
+
+    It stands for a watch thread that a loaded machine schedules late: every query
+    and report written meanwhile lands on the key before the thread reads it.
+    """
+
+    def __init__(self, store: Any, delay_s: float) -> None:
+        super().__init__(store)
+        self._delay_s = delay_s
+
+    def watcher(self) -> TCPRendezvousStore:
+        outer = self
+
+        class Late(TCPRendezvousStore):
+            def get(self, key: str, timeout: timedelta) -> bytes:
+                super().get(key, timeout)  # rung: read what is there a moment later
+                time.sleep(outer._delay_s)
+                return super().get(key, timeout)
+
+        return Late(self._store.clone())
+
+
+def _watches(master: Any, counts: list[int], late: int) -> list[FailureWatch]:
+    """Start one FailureWatch per rank over ``master``; rank ``late``'s reads come late."""
+    watches = []
+    for rank, count in enumerate(counts):
+        client = _client_store(master, GROUP_TIMEOUT)
+        store = _BusyWatcher(client, 0.5) if rank == late else TCPRendezvousStore(client)
+        watches.append(
+            FailureWatch(store, rank, len(counts), "progress", functools.partial(int, count))
+        )
+    return watches
+
+
+def test_queries_that_land_together_are_all_answered() -> None:
+    master = _master_store()
+    watches = _watches(master, [3, 2, 3, 3], late=1)
+    try:
+        asks: list[Callable[[], Any]] = [
+            functools.partial(watches[r].progress, 3, timedelta(seconds=5)) for r in (0, 2, 3)
+        ]
+        lines = _run_threads(asks, JOIN_S)
+    finally:
+        for watch in watches:
+            watch.stop()
+    for line in lines:
+        assert "ranks that never joined it: [1] (rank 1 has issued 2 ops)" in line, line
+        assert "did not answer" not in line, line
+
+
+def test_a_failure_report_that_a_query_replaces_is_still_seen() -> None:
+    master = _master_store()
+    watches = _watches(master, [4, 4], late=1)
+    try:
+        report_failure(TCPRendezvousStore(master), 1, b"rank 0 reported: it broke")
+        line = watches[0].progress(5, timedelta(seconds=5))
+        assert watches[1].awaited(5.0) == "rank 0 reported: it broke"
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert "ranks that never joined it: [1] (rank 1 has issued 4 ops)" in line, line

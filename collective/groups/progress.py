@@ -1,11 +1,14 @@
 """Op progress: when an op times out, ask the peers which op of the group they have reached.
 
 Each rank counts the collective ops it issues on a group: a plain counter, nothing
-is sent per op. When an op times out, the rank writes a query under every peer's
-abort key in the rendezvous store, the key that the peer's ``FailureWatch`` thread
-is already blocked on. The thread answers with its count (and, where the group keeps
-it, the name of the last op it issued) under a reply key and goes back to watching. A
-peer whose count is below the number of the op that timed out never joined that op.
+is sent per op. When an op times out, the rank deletes each peer's count key, then
+writes a query under the peer's abort key in the rendezvous store, the key that
+the peer's ``FailureWatch`` thread is already blocked on. Each time that thread
+wakes, it deletes its abort key and then writes its count (and, where the group keeps
+it, the name of the last op it issued) under its count key, so every query, even one
+that another rank's query or a failure report overwrote before it was read, is
+followed by a count written after it was asked. A peer whose count is below the
+number of the op that timed out never joined that op.
 
 Point-to-point ops are not counted: two ranks issue them, so counts would differ.
 """
@@ -13,7 +16,6 @@ Point-to-point ops are not counted: two ranks issue them, so counts would differ
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -21,7 +23,7 @@ from collective.rendezvous.store import RendezvousStore
 from collective.types import CollectiveError
 
 QUERY = b"\x00progress/"
-"""How a query written under an abort key starts; ``<querier>/<nonce>`` follows."""
+"""How a query written under an abort key starts; the querier's rank follows."""
 
 ANSWER_WAIT = timedelta(seconds=2)
 """How long a timed-out rank waits for all its peers' answers together."""
@@ -29,7 +31,7 @@ ANSWER_WAIT = timedelta(seconds=2)
 ANSWER_SHARE = 0.1
 """The share of a timeout that a timed-out op waits on top for the peers' progress answers."""
 
-LEAST_ANSWER_WAIT = timedelta(milliseconds=250)
+LEAST_ANSWER_WAIT = timedelta(milliseconds=500)
 """The shortest wait for the answers: what a live peer on a busy node needs to give one
 (its watch thread wakes and makes two store calls, each a round trip to the store actor)."""
 
@@ -49,22 +51,14 @@ def is_query(value: bytes) -> bool:
     return value.startswith(QUERY)
 
 
-def _reply_key(nonce: str, rank: int) -> str:
-    return f"progress/{nonce}/{rank}"
+def _count_key(rank: int) -> str:
+    return f"progress/count/{rank}"
 
 
-def answer(
-    store: RendezvousStore, key: str, query: bytes, rank: int, count: int, last: str = ""
-) -> None:
-    """Answer ``query``, found under ``key``, with ``rank``'s op count and last op; never raises.
-
-    The query is deleted before the answer is written, so that the querier's own
-    failure report, which follows the answer, is what the watch reads next.
-    """
-    nonce = query[len(QUERY) :].decode(errors="replace").rpartition("/")[2]
+def publish(store: RendezvousStore, rank: int, count: int, last: str = "") -> None:
+    """Write ``rank``'s op count and last op under its count key, for askers; never raises."""
     try:
-        store.delete(key)
-        store.set(_reply_key(nonce, rank), f"{count}\n{last}".encode())
+        store.set(_count_key(rank), f"{count}\n{last}".encode())
     except (CollectiveError, TimeoutError, RuntimeError):
         return
 
@@ -91,12 +85,12 @@ def ask(
         One line for the error message; it never raises.
 
     """
-    nonce = uuid.uuid4().hex[:16]
     peers = [r for r in range(world_size) if r != rank]
     asked = []
     for peer in peers:
         try:
-            store.set(query_key(peer), QUERY + f"{rank}/{nonce}".encode())
+            store.delete(_count_key(peer))
+            store.set(query_key(peer), QUERY + f"{rank}".encode())
             asked.append(peer)
         except (CollectiveError, TimeoutError, RuntimeError):
             continue
@@ -106,10 +100,9 @@ def ask(
     for peer in asked:
         left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         try:
-            count, _, last = store.get(_reply_key(nonce, peer), left).decode().partition("\n")
+            count, _, last = store.get(_count_key(peer), left).decode().partition("\n")
             counts[peer] = int(count)
             lasts[peer] = last
-            store.delete(_reply_key(nonce, peer))
         except (CollectiveError, TimeoutError, RuntimeError, ValueError):
             continue
     silent = [p for p in peers if p not in counts]

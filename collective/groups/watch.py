@@ -6,10 +6,10 @@ timeout: gloo's pending receives are not woken when another pair closes. So a
 rank that sees a failure writes it under every other rank's abort key in the
 group's rendezvous store, and each rank keeps one thread blocked on its own key.
 When the key is set, the thread records the failure, and every wait of that
-rank's ops sees it within one wait slice (50 ms). A progress query found there
-(``progress.py``) is answered with the rank's op count, and the thread goes on
-watching; any other text but the stop marker counts as a failure report, whoever
-wrote it.
+rank's ops sees it within one wait slice (50 ms). Any text but a progress query
+(``progress.py``) or the stop marker counts as a failure report, whoever wrote it;
+the first one is kept. Each time it wakes, the thread deletes the key, publishes the
+rank's op count for the ranks asking, and goes on watching, until the stop marker.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.groups import progress
-from collective.rendezvous.store import RendezvousStore, abort_key
+from collective.rendezvous.store import RendezvousStore, abort_key, reason_key, report_failure
 from collective.types import CollectiveError
 
 _STOP = b"\x00stop"
@@ -83,6 +83,7 @@ class FailureWatch:
         self._last_op = last_op
         self._on_failure = on_failure
         self._failure: str | None = None
+        self._reported = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(
             target=self._watch, name=f"collective-watch-{group_name}", daemon=True
@@ -94,6 +95,11 @@ class FailureWatch:
         """Return what another rank reported, or None while no failure is known."""
         return self._failure
 
+    def awaited(self, seconds: float) -> str | None:
+        """Return what another rank reports within ``seconds`` (or has already), else None."""
+        self._reported.wait(seconds)
+        return self._failure
+
     def _watch(self) -> None:
         key = abort_key(self._rank)
         while not self._stopped:
@@ -103,15 +109,28 @@ class FailureWatch:
                 continue
             except (CollectiveError, RuntimeError):
                 return
-            if progress.is_query(value):
-                count, last = self._op_count(), self._last_op()
-                progress.answer(self._watched, key, value, self._rank, count, last)
-                continue
-            if value != _STOP:
-                self._failure = value.decode(errors="replace")
-                if self._on_failure is not None:
-                    self._on_failure(self._failure)
-            return
+            if value == _STOP:
+                return
+            if self._failure is None:
+                reported = value if not progress.is_query(value) else self._reason()
+                if reported is not None:
+                    self._failure = reported.decode(errors="replace")
+                    self._reported.set()
+                    if self._on_failure is not None:
+                        self._on_failure(self._failure)
+            try:
+                self._watched.delete(key)
+            except (CollectiveError, TimeoutError, RuntimeError):
+                return
+            count, last = self._op_count(), self._last_op()
+            progress.publish(self._watched, self._rank, count, last)
+
+    def _reason(self) -> bytes | None:
+        """Return a failure reported to this rank whose ring a progress query replaced."""
+        try:
+            return self._watched.peek(reason_key(self._rank))
+        except (CollectiveError, RuntimeError):
+            return None
 
     def progress(self, op_number: int, wait: timedelta = progress.ANSWER_WAIT) -> str:
         """Ask the other ranks how far they got; describe who never joined op ``op_number``.
@@ -129,7 +148,7 @@ class FailureWatch:
             if rank == self._rank:
                 continue
             try:
-                self._store.set(abort_key(rank), message)
+                report_failure(self._store, rank, message)
             except (CollectiveError, TimeoutError, RuntimeError):
                 return
 
@@ -137,8 +156,9 @@ class FailureWatch:
         """Wait until the torch ``work`` finishes, a failure is reported, or ``timeout``.
 
         The wait runs in torch, without the GIL, in slices of ``_SLICE``; between
-        slices it looks for a reported failure. An op that finishes within the
-        first slice, the common case, costs one plain torch wait.
+        slices it looks for a reported failure; once one is, the op gets one more slice
+        to end by itself. An op that finishes within the first slice, the common case,
+        costs one plain torch wait.
 
         Returns:
             Whether ``work`` finished (well or not; its ``wait`` then returns or
@@ -152,8 +172,13 @@ class FailureWatch:
             left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
             if left > 0 and _waited(work, left):
                 return True, None
-            if self._failure is not None or (deadline is not None and time.monotonic() >= deadline):
-                return False, self._failure
+            if self._failure is not None:
+                # The report may echo this rank's own failure: gloo closes every connection
+                # of a rank whose op timed out, so a peer fails and reports at once, and this
+                # rank's op, which ends with its own more precise error, comes a moment after.
+                return (True, None) if _waited(work, _SLICE_S) else (False, self._failure)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False, None
 
     def stop(self) -> None:
         """End the watch thread; the group no longer hears of other ranks' failures."""

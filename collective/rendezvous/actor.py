@@ -33,7 +33,7 @@ from collective.rendezvous.state import (
     wait_event,
     wait_first,
 )
-from collective.rendezvous.store import abort_key
+from collective.rendezvous.store import report_failure
 
 __all__ = ["ACK_WAIT_S", "IDLE_GRACE_S", "STORE_ACTOR_NAME", "SWEEP_S", "StoreActor"]
 
@@ -196,7 +196,7 @@ class StoreActor(ReshapeMethods, KeyMethods):
         world = group.current
         held = world.holders()
         for rank in held:
-            world.set(abort_key(rank), reason.encode())
+            report_failure(world, rank, reason.encode())
         queued = []
         for member in held.values():
             listener = self._listeners.setdefault(member.worker_id, Listener())

@@ -22,7 +22,7 @@ from collective.rendezvous.state import (
     Reshape,
     wait_event,
 )
-from collective.rendezvous.store import abort_key
+from collective.rendezvous.store import report_failure
 
 RESHAPE_POLL_S = 0.1
 """How often a shrink or grow in progress asks the GCS whether the members it waits for live."""
@@ -253,7 +253,7 @@ class ReshapeMethods:
             if holder is None:
                 continue
             why = f"rank {rank} was excluded from group {name!r} by shrink_group"
-            old.set(abort_key(rank), why.encode())
+            report_failure(old, rank, why.encode())
             listener = self._listeners.setdefault(holder.worker_id, Listener())
             listener.push(name, old.id, why)
         self._forget(old, reason)

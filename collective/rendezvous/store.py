@@ -11,14 +11,39 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from collective.types import time_left
+
+PEEK_WAIT = timedelta(milliseconds=1)
+"""How long ``RendezvousStore.peek`` waits where the store cannot look without waiting."""
 
 
 def abort_key(rank: int) -> str:
     """Return the store key under which failures are reported to ``rank``."""
     return f"abort/{rank}"
+
+
+def reason_key(rank: int) -> str:
+    """Return the store key that keeps a failure reported to ``rank``.
+
+    The abort key only rings: a progress query written there may replace a report
+    before ``rank`` reads it, so the report is kept here as well.
+    """
+    return f"abort/{rank}/reason"
+
+
+class Settable(Protocol):
+    """Anything with a store's ``set``: a ``RendezvousStore``, or a group's state in the actor."""
+
+    def set(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under ``key``."""
+
+
+def report_failure(store: Settable, rank: int, reason: bytes) -> None:
+    """Tell ``rank`` of a failure: kept under its reason key, then rung on its abort key."""
+    store.set(reason_key(rank), reason)
+    store.set(abort_key(rank), reason)
 
 
 class RendezvousStore(ABC):
@@ -41,6 +66,13 @@ class RendezvousStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key`` if it is present."""
+
+    def peek(self, key: str) -> bytes | None:
+        """Return the value of ``key`` if it is set, else None, without waiting for it."""
+        try:
+            return self.get(key, PEEK_WAIT)
+        except TimeoutError:
+            return None
 
     @property
     def incarnation(self) -> str:
@@ -77,6 +109,12 @@ class TCPRendezvousStore(RendezvousStore):
         """Remove ``key`` if it is present."""
         self._store.delete_key(key)
 
+    def peek(self, key: str) -> bytes | None:
+        """Return the value of ``key`` if it is set, else None; asks without waiting."""
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key))
+
     def watcher(self) -> RendezvousStore:
         """Return a store on a connection of its own; a TCPStore serialises its calls."""
         return TCPRendezvousStore(self._store.clone())
@@ -101,6 +139,10 @@ class PrefixedRendezvousStore(RendezvousStore):
     def delete(self, key: str) -> None:
         """Remove the prefixed ``key`` if it is present."""
         self._store.delete(self._prefix + key)
+
+    def peek(self, key: str) -> bytes | None:
+        """Return the value of the prefixed ``key`` if it is set, else None, without waiting."""
+        return self._store.peek(self._prefix + key)
 
     @property
     def incarnation(self) -> str:

@@ -5,7 +5,9 @@ gloo moves bytes only: ranks that pass different sizes make it abort the process
 dtypes or reductions get mixed data without an error. So before every collective
 each rank describes its call (``Call``) in ``WIDTH`` int64 words, the ranks
 allgather them in one record each, and every rank compares all of them
-(``disagreement``). Alltoall then allgathers each rank's elements per peer. A send
+(``disagreement``); from ``GATHER_FROM`` ranks on, they gather the records at rank 0,
+which broadcasts them all back. An alltoall's elements per peer ride in its record
+where they fit, else they are allgathered next. A send
 goes out behind a header of its dtype and size, which the receiver compares with
 its own buffer (``Header``). ``running`` runs these exchanges.
 
@@ -39,6 +41,15 @@ One allgather of records this size takes as long as one of the words alone (loop
 2 ranks: 300-450 us at 48 B and at 16 KiB alike), and a big op pays it too."""
 
 
+GATHER_FROM = 3
+"""The world size from which records go to rank 0 and back rather than round a ring.
+
+gloo's allgather is a ring of ``world_size - 1`` steps, which a peer waiting for a
+core stalls at each step; a gather and a broadcast take two. One host, 2 cores,
+records of 4 KiB (``benchmarks.gloo_agreement``): 3 ranks 0.50-0.59 ms against
+0.81-0.92 ms, 4 ranks 0.61-0.71 ms against 3.7-3.8 ms; 2 ranks about the same."""
+
+
 def capacity(world_size: int) -> int:
     """Return the data bytes one rank's record holds in a group of ``world_size`` ranks."""
     return CARRY_BUDGET // world_size // 8 * 8
@@ -48,14 +59,16 @@ def capacity(world_size: int) -> int:
 class Carried:
     """How a collective rides in its agreement when its data fits in the records.
 
-    ``data`` is this rank's ``Call.nbytes`` bytes (a flat uint8 numpy array), or
-    None where the rank sends none (off the root of a broadcast); ``complete``
-    writes this rank's result from every rank's carried bytes: the rows of a uint8
-    numpy array, in rank order.
+    ``data`` is this rank's ``size`` bytes (a flat uint8 numpy array), or None
+    where the rank sends none (off the root of a broadcast); ``size`` is the call's
+    ``Call.nbytes`` unless given, and follows from the call, so that ranks that agree
+    on it agree on whether it fits. ``complete`` writes this rank's result from every
+    rank's carried bytes: the rows of a uint8 numpy array, in rank order.
     """
 
     data: np.ndarray | None
     complete: Callable[[np.ndarray], None]
+    size: int | None = None
 
 
 class Records:
@@ -77,6 +90,8 @@ class Records:
         """This rank's record, as gloo sends it."""
         self.gathered = torch.from_numpy(self._rows.reshape(-1))
         """Every rank's record, one after another, as gloo receives them."""
+        self.rows = list(self.gathered.chunk(world_size))
+        """Each rank's record in ``gathered``, where a gather at rank 0 writes it."""
 
     def fill(self, call: Call, data: np.ndarray | None) -> None:
         """Write ``call``'s words and, if given, ``data`` into this rank's record."""
@@ -92,6 +107,22 @@ class Records:
     def words(self) -> list[list[int]]:
         """Return every rank's gathered words."""
         return np.ascontiguousarray(self._rows[:, : WIDTH * 8]).view(np.int64).tolist()
+
+    def fill_sizes(self, call: Call) -> bool:
+        """Write an alltoall ``call``'s words and its elements per peer; False if they do not fit.
+
+        The elements to each peer, then from each, as int64; when they do not fit,
+        only the words are written.
+        """
+        table = np.asarray([*call.sends, *call.receives], dtype=np.int64).view(np.uint8)
+        fits = table.size <= self.room
+        self.fill(call, table if fits else None)
+        return fits
+
+    def sizes(self) -> list[list[int]]:
+        """Return the elements per peer that every rank wrote with ``fill_sizes``."""
+        n = len(self._rows)
+        return np.ascontiguousarray(self.data(16 * n)).view(np.int64).tolist()
 
     def data(self, nbytes: int) -> np.ndarray:
         """Return every rank's first ``nbytes`` carried bytes, as the rows of a uint8 array."""

@@ -13,7 +13,8 @@ from typing import Any
 
 from collective.frameworks.kinds import DTYPES
 from collective.groups.base import BaseGroup
-from collective.groups.gloo.agree import Call, Carried, Records, disagreement, unpaired
+from collective.groups.gloo.agree import Call, Carried
+from collective.groups.gloo.agreement import Agreement
 from collective.groups.gloo.reducescatter import Scratch
 from collective.groups.gloo.work import (
     Completion,
@@ -21,9 +22,8 @@ from collective.groups.gloo.work import (
     InFlight,
     buffer_list,
     c10d,
-    call_options,
     connect_tcp_store,
-    int64_tensor,
+    is_closed,
     is_timeout,
     nothing,
     one_buffer,
@@ -41,6 +41,9 @@ from collective.types import (
     GroupOptions,
 )
 from collective.work import CompletedWork, Work
+
+REASON_WAIT_S = 0.25
+"""How long an op whose connection a peer closed waits for that peer's reason."""
 
 
 class GlooRunning(BaseGroup):
@@ -83,7 +86,9 @@ class GlooRunning(BaseGroup):
         self._agreeing = world_size > 1
         """Whether each op first checks that every rank passed the same arguments."""
         self._lanes: dict[str, Lane] = {}
-        self._records: Records | None = None
+        self._agreement = Agreement(
+            world_size, rank, group_name, timeout, self._numbered, lambda: self._pg
+        )
         dist = c10d()
         try:
             self._tcp_store = connect_tcp_store(store, rank, host, timeout)
@@ -129,9 +134,14 @@ class GlooRunning(BaseGroup):
         """
         if self._aborted is not None:
             return self._aborted_error(op)
+        timed_out = is_timeout(exc)
+        if timed_out and self._watch is not None:
+            # Told before the peers are asked how far they got: gloo has closed this
+            # rank's connections, and a peer that sees them close waits for the reason.
+            self._watch.report(str(CollectiveTimeoutError(op, self.group_name, self.rank, timeout)))
         self._error = self._failure(op, timeout, exc, number)
         self.launches.clear()
-        if self._watch is not None:
+        if self._watch is not None and not timed_out:
             self._watch.report(str(self._error))
         return self._error
 
@@ -175,6 +185,13 @@ class GlooRunning(BaseGroup):
             if number and self._watch is not None:
                 detail = f"{detail}; {self._watch.progress(number, answer_wait(timeout))}"
             return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
+        if is_closed(exc) and self._watch is not None:
+            # A peer whose own op failed closes its connections, then says why.
+            reason = self._watch.awaited(REASON_WAIT_S)
+            if reason is not None:
+                return CollectiveError(
+                    f"{op} on group {self.group_name!r} was aborted on rank {self.rank}: {reason}"
+                )
         return CollectiveError(
             f"{op} on group {self.group_name!r} failed on rank {self.rank}: {exc}"
         )
@@ -211,7 +228,7 @@ class GlooRunning(BaseGroup):
 
         def run() -> Work:
             number = self._next_number(op)
-            if self._agree(call, options, number, carried):
+            if self._agreement.agree(call, options, number, carried):
                 return CompletedWork()
             work = self._start(op, options, start, finish, completion, number)
             work.wait()
@@ -285,6 +302,12 @@ class GlooRunning(BaseGroup):
             self._in_flight.add(work)
         return work
 
+    def _numbered(
+        self, op: str, options: Any, start: Callable[[timedelta | None], Any], number: int
+    ) -> GlooWork:
+        """Start one gloo call as the group's collective ``number`` (see ``_start``)."""
+        return self._start(op, options, start, number=number)
+
     def agree(self, call: Call, timeout: timedelta | None = None) -> None:
         """Check that every rank is about to run ``call``; no data moves.
 
@@ -299,58 +322,10 @@ class GlooRunning(BaseGroup):
         options = BarrierOptions(timeout)
 
         def run() -> Work:
-            self._agree(call, options, self._next_number(call.op))
+            self._agreement.agree(call, options, self._next_number(call.op))
             return CompletedWork()
 
         self._on_lane("collective", call.op, options, run)
-
-    def _agree(self, call: Call, options: Any, number: int, carried: Carried | None = None) -> bool:
-        """Allgather every rank's ``call``; raise the same error on every rank if they differ.
-
-        Returns:
-            Whether the op is done: its data rode in the records, and
-            ``carried.complete`` wrote the result.
-
-        Raises:
-            ArgumentValueError: the ranks passed different arguments; no buffer was written.
-            CollectiveError: the exchange itself failed; the group is unusable.
-
-        """
-        records = self._records
-        if records is None:
-            records = self._records = Records(self.world_size)
-        carry = carried is not None and call.nbytes() <= records.room
-        records.fill(call, carried.data if carried is not None and carry else None)
-        self._allgather(call.op, options, records.mine, number, records.gathered)
-        if not records.agreed():
-            raise disagreement(call.op, self.group_name, records.words())
-        if call.op == "alltoall":
-            sizes = int64_tensor([*call.sends, *call.receives])
-            gathered = self._allgather(call.op, options, sizes, number)
-            error = unpaired(self.group_name, gathered.view(self.world_size, -1).tolist())
-            if error is not None:
-                raise error
-        if carried is None or not carry:
-            return False
-        carried.complete(records.data(call.nbytes()))
-        return True
-
-    def _allgather(self, op: str, options: Any, mine: Any, number: int, out: Any = None) -> Any:
-        """Return every rank's ``mine`` (all of one size and dtype), one after another.
-
-        They land in ``out`` when given, else in a new tensor.
-        """
-        import torch
-
-        if out is None:
-            out = torch.empty(self.world_size * mine.numel(), dtype=mine.dtype)
-        self._start(
-            op,
-            options,
-            lambda t: self._pg._allgather_base(out, mine, call_options("Allgather", t)),
-            number=number,
-        ).wait()
-        return out
 
     _one = staticmethod(one_buffer)
     _list = staticmethod(buffer_list)

@@ -73,6 +73,15 @@ def is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def is_closed(exc: BaseException) -> bool:
+    """Return whether torch's error ``exc`` says a peer closed its connection in order.
+
+    gloo closes every connection of a rank whose op failed or timed out; a killed
+    process's connections are more often reset.
+    """
+    return "closed by peer" in str(exc).lower()
+
+
 ADDRESS_KEY = "gloo/address"
 """Store key under which rank 0 publishes its TCPStore's ``host:port``."""
 
