@@ -10,7 +10,9 @@ interface with CUDA's rules made checkable:
   peer still has open (CUDA leaves both undefined): each is logged in ``misuse``;
 - every stream wait logs which event it waited on and how many records the event
   had then (``waits``), so a test can check that each wait captured exactly the
-  record the protocol meant it to.
+  record the protocol meant it to;
+- every call that makes, exports or opens memory or an event is logged (``made``),
+  so a test can check that none runs per op: a caller's buffer is never exported.
 
 Streams are synchronous (every copy and reduction runs at once on the host), so the
 data that the transport's ops compute is what the step protocol alone guarantees.
@@ -96,6 +98,8 @@ class HostDevice:
         """What ``settle`` says: False stands for device work that never finishes."""
         self.opened_memory: dict[int, int] = {}
         self.opened_events: dict[int, int] = {}
+        self.made: list[str] = []
+        """The calls that make, export or open memory or events, by name, in order."""
 
     def uuid(self) -> str:
         """Return the stand-in GPU's name."""
@@ -103,6 +107,7 @@ class HostDevice:
 
     def alloc(self, nbytes: int) -> int:
         """Return the address of ``nbytes`` of new zeroed host memory."""
+        self.made.append("alloc")
         array = np.zeros(nbytes, np.uint8)
         with self.gpu.lock:
             self.gpu.memory[int(array.ctypes.data)] = _Memory(self.rank, array)
@@ -121,12 +126,14 @@ class HostDevice:
 
     def export_memory(self, ptr: int) -> bytes:
         """Return a 64-byte handle of ``ptr``."""
+        self.made.append("export_memory")
         if self.gpu.memory[ptr].owner != self.rank:
             raise RuntimeError("only the owner exports memory")
         return ptr.to_bytes(64, "little")
 
     def open_memory(self, handle: bytes) -> int:
         """Open a peer's memory; refuse this rank's own, as CUDA does."""
+        self.made.append("open_memory")
         ptr = int.from_bytes(handle, "little")
         with self.gpu.lock:
             memory = self.gpu.memory[ptr]
@@ -146,6 +153,7 @@ class HostDevice:
 
     def new_event(self) -> int:
         """Return a new event."""
+        self.made.append("new_event")
         with self.gpu.lock:
             event = next(self.gpu._ids)
             self.gpu.events[event] = _Event(self.rank)
@@ -153,10 +161,12 @@ class HostDevice:
 
     def export_event(self, event: int) -> bytes:
         """Return a 64-byte handle of ``event``."""
+        self.made.append("export_event")
         return event.to_bytes(64, "little")
 
     def open_event(self, handle: bytes) -> int:
         """Open a peer's event; refuse this rank's own."""
+        self.made.append("open_event")
         event = int.from_bytes(handle, "little")
         with self.gpu.lock:
             found = self.gpu.events[event]

@@ -91,6 +91,7 @@ CALLS: list[tuple[str, tuple[Any, ...], list[str]]] = [
     ("destroy_event", (0x5555_0000,), ["eventDestroy"]),
     ("record", (0x5555_0000, 0x6666_0000), ["eventRecord"]),
     ("wait", (0x6666_0000, 0x5555_0000), ["streamWaitEvent"]),
+    ("copy", (0x7F00_0000_0000, 0x7F10_0000_0000, 4096, 0x6666_0000), ["memcpyAsync"]),
     ("synchronize", (), ["deviceSynchronize"]),
 ]
 

@@ -9,10 +9,12 @@ is checked by ``test_shared_gpu_contract.py`` and on a GPU by ``tests/gpu``.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -423,3 +425,86 @@ def test_an_async_op_on_the_per_thread_default_stream_is_refused_before_anything
 
     for x in _run_threads([target(0), target(1)], JOIN_TIMEOUT_S):
         np.testing.assert_array_equal(x, _data(0, 8) + _data(1, 8))
+
+
+def test_no_memory_or_event_is_made_exported_or_opened_per_op() -> None:
+    """Handles are made and opened once, at connect: the caller's buffers are never exported
+    (so memory from any allocator, torch's expandable segments included, works), and no op
+    makes, exports or opens anything."""
+
+    def fn(g: SharedGpuGroup, rank: int) -> list[str]:
+        assert g._transport is not None
+        device = g._transport.device
+        assert isinstance(device, HostDevice)
+        at_connect = list(device.made)
+        peer = 1 - rank
+        for _ in range(2):  # a second round, after every view is made
+            x = _data(rank, 3000)  # held: an async op keeps only the buffer's address
+            g.allreduce([x], AllReduceOptions(ReduceOp.AVG, async_op=True)).wait()
+            g.broadcast([_data(rank, 3000, "int64")], BroadcastOptions(root_rank=1))
+            g.allgather(
+                [[np.zeros(50, np.int32) for _ in range(2)]],
+                [_data(rank, 50, "int32")],
+                AllGatherOptions(),
+            )
+            tensors = [_data(9 + i, 700 * i + 1) for i in range(3)]
+            g.broadcast_list(tensors, BroadcastOptions(root_rank=0))
+            sent = g.send([x], SendOptions(dst_rank=peer, async_op=True))
+            g.recv([np.zeros(3000, np.float32)], RecvOptions(src_rank=peer))
+            sent.wait()
+            g.barrier(BarrierOptions())
+        assert device.made == at_connect, device.made[len(at_connect) :]
+        return at_connect
+
+    for made in run_group(2, fn):
+        assert made.count("export_memory") == 1 and made.count("open_memory") == 1, made
+        assert made.count("alloc") == 1, made
+
+
+def test_the_variable_builds_plain_nccl_without_asking_where_the_gpu_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``COLLECTIVE_GPU_TRANSPORT=nccl``: an ``NCCLGroup`` whatever the layout; no exchange
+    of GPUs (a store that refuses every call) and no question to the device."""
+    built: list[tuple[Any, ...]] = []
+
+    class Plain:
+        def __init__(self, *args: Any) -> None:
+            built.append(args)
+
+    class NoDevice(HostDevice):
+        def uuid(self) -> str:
+            raise AssertionError("the GPU's UUID was asked for")
+
+    monkeypatch.setattr(connect, "NCCLGroup", Plain)
+    monkeypatch.setenv(connect.TRANSPORT_ENV, "nccl")
+    refusing: Any = object()  # a store with no methods: any exchange would raise
+    group = connect_gpu_group(2, 1, "forced", refusing, TIMEOUT, device=NoDevice(HostGpu(), 1))
+    assert isinstance(group, Plain)
+    assert built == [(2, 1, "forced", refusing, TIMEOUT, "127.0.0.1", None)]
+
+
+def test_an_async_op_holds_the_callers_buffer_until_it_is_issued() -> None:
+    """A caller may drop its buffer after an async call: the op must not write freed memory."""
+    came = threading.Event()
+
+    def fn(g: SharedGpuGroup, rank: int) -> Any:
+        if rank == 1:
+            came.wait(JOIN_TIMEOUT_S / 2)  # joins the op late
+            y = np.ones(64, dtype=np.float32)
+            g.allreduce([y], AllReduceOptions())
+            return y[:2].tolist()
+        x = np.full(64, 2.0, dtype=np.float32)
+        dropped = weakref.ref(x)
+        work = g.allreduce([x], AllReduceOptions(async_op=True))
+        del x
+        gc.collect()
+        held_while_pending = dropped() is not None
+        came.set()
+        work.wait()
+        gc.collect()
+        return held_while_pending, dropped() is None
+
+    held, released = run_group(2, fn)[0]
+    assert held, "the async op let go of the caller's buffer before it was issued"
+    assert released, "the op kept the caller's buffer after it completed"

@@ -73,7 +73,7 @@ class GpuHierarchyGroup(HierarchyRunning):
                 finish.finish(data)
             collectives.broadcast(data, 0, dtype, deadline)
 
-        return self._submit("allreduce", options, stream, body)
+        return self._submit("allreduce", options, stream, body, tensors)
 
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Reduce onto the root's tensor; every other rank's stays as it was."""
@@ -101,7 +101,7 @@ class GpuHierarchyGroup(HierarchyRunning):
                 target = data if topo.rank == root else work
                 collectives.relay(target, 0, topo.local_rank_of(root), dtype, deadline)
 
-        return self._submit("reduce", options, stream, body)
+        return self._submit("reduce", options, stream, body, tensors)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's; the root's is only read."""
@@ -122,7 +122,7 @@ class GpuHierarchyGroup(HierarchyRunning):
                 self._across(stream, own, lambda g: g.broadcast([own], step))
             collectives.broadcast(own, 0, dtype, deadline)
 
-        return self._submit("broadcast", options, stream, body)
+        return self._submit("broadcast", options, stream, body, tensors)
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Return once every rank has entered the barrier; each stream follows the others'."""
@@ -162,7 +162,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             collectives.broadcast(block, 0, dtype, deadline)
             self._copy_out(views, block, size)
 
-        return self._submit("allgather", options, stream, body)
+        return self._submit("allgather", options, stream, body, (tensor_lists, tensors))
 
     def _onto_leader(self, piece: Any, dtype: str, deadline: float) -> tuple[Any, Any, list[Any]]:
         """Gather this GPU's pieces onto its leader, into its row of a block of every GPU's.
@@ -216,7 +216,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             chunks = [whole[r * size : (r + 1) * size] for r in topo.local_ranks]
             collectives.scatter(chunks if topo.is_leader else [], out, 0, dtype, deadline)
 
-        return self._submit("reducescatter", options, stream, body)
+        return self._submit("reducescatter", options, stream, body, (tensors, tensor_lists))
 
     def gather(
         self,
@@ -247,7 +247,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             if topo.rank == root:
                 self._copy_out(views, block, size)
 
-        return self._submit("gather", options, stream, body)
+        return self._submit("gather", options, stream, body, (tensor_lists, tensors))
 
     def scatter(
         self,
@@ -282,7 +282,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             chunks = [mine[i * size : (i + 1) * size] for i in range(len(topo.local_ranks))]
             collectives.scatter(chunks if topo.is_leader else [], out, 0, dtype, deadline)
 
-        return self._submit("scatter", options, stream, body)
+        return self._submit("scatter", options, stream, body, (tensors, tensor_lists))
 
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
@@ -321,7 +321,7 @@ class GpuHierarchyGroup(HierarchyRunning):
             for j, view in enumerate(out_views):
                 view[...] = mine[j * size : (j + 1) * size]
 
-        return self._submit("alltoall", options, stream, body)
+        return self._submit("alltoall", options, stream, body, (outputs, inputs))
 
     def _exchange(self, lines: Any, stream: int, size: int, deadline: float) -> None:
         """On a leader: turn this GPU's rows by source into rows by destination, across GPUs.

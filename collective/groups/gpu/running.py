@@ -228,7 +228,7 @@ class HierarchyRunning(SharedGpuGroup):
         if topo.node_of(peer) == topo.node:
             buf = self._buffer(tensors, "tensor")
             stream = self._stream(op, tensors)
-            return self._point_to_point(op, options, buf, topo.local_rank_of(peer), stream)
+            return self._point_to_point(op, options, buf, topo.local_rank_of(peer), stream, tensors)
         self._check_usable(destroyed=self._closing)
         pairs = self._pairs
         if pairs is None:

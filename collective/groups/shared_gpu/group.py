@@ -56,7 +56,7 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.allreduce(data, reducer, buf.dtype, deadline)
 
-        return self._submit("allreduce", options, self._stream("allreduce", tensors), body)
+        return self._submit("allreduce", options, self._stream("allreduce", tensors), body, tensors)
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Return once every rank has entered the barrier; each stream waits for the others'."""
@@ -77,7 +77,7 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.reduce(data, root, reducer, buf.dtype, deadline)
 
-        return self._submit("reduce", options, self._stream("reduce", tensors), body)
+        return self._submit("reduce", options, self._stream("reduce", tensors), body, tensors)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Copy the root's tensor into every other rank's tensor, in place."""
@@ -88,7 +88,7 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.broadcast(data, root, buf.dtype, deadline)
 
-        return self._submit("broadcast", options, self._stream("broadcast", tensors), body)
+        return self._submit("broadcast", options, self._stream("broadcast", tensors), body, tensors)
 
     @property
     def takes_lists(self) -> bool:
@@ -117,7 +117,7 @@ class SharedGpuGroup(SharedGpuRunning):
                     write_back()
             held.clear()  # the buffers and staged copies lived until the copies were issued
 
-        return self._submit("broadcast", options, stream, body)
+        return self._submit("broadcast", options, stream, body, tensors)
 
     def _message(
         self, tensors: Sequence[Any], root: int
@@ -157,7 +157,9 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.allgather(piece, views, source.dtype, deadline)
 
-        return self._submit("allgather", options, self._stream("allgather", tensors), body)
+        return self._submit(
+            "allgather", options, self._stream("allgather", tensors), body, (tensor_lists, tensors)
+        )
 
     def reducescatter(
         self,
@@ -176,7 +178,8 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.reducescatter(views, out, reducer, output.dtype, deadline)
 
-        return self._submit("reducescatter", options, self._stream("reducescatter", tensors), body)
+        stream = self._stream("reducescatter", tensors)
+        return self._submit("reducescatter", options, stream, body, (tensors, tensor_lists))
 
     def gather(
         self,
@@ -193,7 +196,9 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.gather(piece, views, root, source.dtype, deadline)
 
-        return self._submit("gather", options, self._stream("gather", tensors), body)
+        return self._submit(
+            "gather", options, self._stream("gather", tensors), body, (tensor_lists, tensors)
+        )
 
     def scatter(
         self,
@@ -210,7 +215,9 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.scatter(views, out, root, output.dtype, deadline)
 
-        return self._submit("scatter", options, self._stream("scatter", tensors), body)
+        return self._submit(
+            "scatter", options, self._stream("scatter", tensors), body, (tensors, tensor_lists)
+        )
 
     def alltoall(
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
@@ -226,26 +233,29 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             collectives.alltoall(in_views, out_views, dtype, deadline)
 
-        return self._submit("alltoall", options, self._stream("alltoall", inputs), body)
+        return self._submit(
+            "alltoall", options, self._stream("alltoall", inputs), body, (outputs, inputs)
+        )
 
     def send(self, tensors: Sequence[Any], options: SendOptions) -> Work:
         """Send this rank's tensor to ``options.dst_rank``; see ``_point_to_point``."""
         buf = self._buffer(tensors, "tensor")
-        return self._point_to_point(
-            "send", options, buf, options.dst_rank, self._stream("send", tensors)
-        )
+        stream = self._stream("send", tensors)
+        return self._point_to_point("send", options, buf, options.dst_rank, stream, tensors)
 
     def recv(self, tensors: Sequence[Any], options: RecvOptions) -> Work:
         """Receive into this rank's tensor what ``options.src_rank`` sends, in place."""
         buf = self._buffer(tensors, "tensor")
-        return self._point_to_point(
-            "recv", options, buf, options.src_rank, self._stream("recv", tensors)
-        )
+        stream = self._stream("recv", tensors)
+        return self._point_to_point("recv", options, buf, options.src_rank, stream, tensors)
 
     def _point_to_point(
-        self, op: str, options: Any, buf: CudaBuffer, peer: int, stream: int
+        self, op: str, options: Any, buf: CudaBuffer, peer: int, stream: int, keep: Any
     ) -> Work:
-        """Run ``op`` ("send" or "recv") with ``peer`` on the lane of that direction and peer."""
+        """Run ``op`` ("send" or "recv") with ``peer`` on the lane of that direction and peer.
+
+        ``keep`` is the caller's tensor, held until the op is issued (see ``_submit``).
+        """
         transport, _ = self._collectives()
         mail = transport.mail
         if mail is None:
@@ -256,4 +266,4 @@ class SharedGpuGroup(SharedGpuRunning):
         def body(deadline: float) -> None:
             move(data, peer, code, deadline, stream)
 
-        return self._submit(op, options, stream, body, f"{op}-{peer}")
+        return self._submit(op, options, stream, body, keep, f"{op}-{peer}")

@@ -220,12 +220,17 @@ class SharedGpuRunning(BaseGroup):
         options: Any,
         stream: int,
         body: Callable[[float], None],
+        keep: Any = (),
         lane: str = "collective",
     ) -> Work:
         """Run ``body(deadline)`` as op ``op`` on ``lane``, with its device work on ``stream``.
 
         The group's collectives share one lane and the collective steps' stream; a
-        send or receive runs on the lane of its direction and peer.
+        send or receive runs on the lane of its direction and peer. ``keep`` (the
+        caller's tensors) is held until the op has been issued: ``body`` knows their
+        memory only by address, and an async op's caller may drop them before the
+        lane reaches the op, which must not write into memory the allocator gave away.
+        Once issued, the work is ordered on the caller's stream, as on NCCL.
         """
         self._check_usable(destroyed=self._closing)
         if options.async_op and stream == PER_THREAD_STREAM:
@@ -239,12 +244,16 @@ class SharedGpuRunning(BaseGroup):
         timeout = options.timeout or self.timeout
         collective = lane == "collective"
 
+        held = [keep]
+
         def run() -> None:
             deadline = time.monotonic() + timeout.total_seconds()
             try:
                 transport.run(stream, body, deadline, collective=collective)
             except BaseException as exc:
                 self._raise_failure(op, timeout, exc)
+            finally:
+                held.clear()
 
         expired = partial(self._expired, op)
         return self._lanes.run(lane, run, expired, options.async_op) or _DONE
