@@ -1,15 +1,16 @@
 """Benchmark the nccl backend against raw cupy.cuda.nccl and torch.distributed, without Ray.
 
 Usage: python -m benchmarks.nccl [--quick] [--sizes 8,1G] [--ops allreduce,gather]
-       [--world-sizes 1,2] [--impls collective,collective_torch,cupy_nccl,torch_nccl]
+       [--world-sizes 1,2,4,8] [--impls collective,collective_torch,cupy_nccl,torch_nccl]
        [--iters N] [--warmup N] [--reps N] [--overhead-calls N] [--budget-s S]
        [--json PATH] [--text PATH] [--profile PATH]
 
-Ranks are spawned processes, rank r on GPU r, meeting on a TCPStore. For every op,
-size and implementation it prints an nccl-tests-style row; then the per-call host
-time of an 8-byte allreduce at world size 1, and the large-message bandwidth gap of
-each implementation to raw cupy.cuda.nccl. Where cupy, NCCL or a GPU is missing it
-prints why and exits 0.
+Ranks are spawned processes, rank r on GPU r, meeting on a TCPStore; by default at world
+sizes 1, then 2, 4, 8 up to the GPU count (on one GPU 2 to 4, sharing it). For every op,
+size and implementation it prints an nccl-tests-style row; then, at each world size, the
+per-call host time of an 8-byte allreduce (from world size 2, check on, beside and off),
+and the large-message bandwidth gap of each implementation to raw cupy.cuda.nccl. Where
+cupy, NCCL or a GPU is missing it prints why and exits 0.
 
 ``python -m benchmarks.nccl --shared-gpu`` measures ranks that share one GPU instead
 (see ``benchmarks.shared_gpu``).
@@ -39,6 +40,17 @@ OVERHEAD_GOAL_US = 10.0
 SHARED_MOST_BYTES = 1 << 20
 """Where ranks share a GPU (NCCL over sockets), the largest allreduce measured."""
 GAP_GOAL_PCT = 2.0
+CHECK_GOAL_US = 1.0
+"""The most host time per call the mismatch check may add (``collective`` over ``_nocheck``)."""
+NOCHECK = "collective_nocheck"
+SPREAD, SHARED_SPREAD = (2, 4, 8), (2, 3, 4)
+"""The world sizes measured by default: one rank per GPU where there are the GPUs; on one GPU."""
+
+
+def default_world_sizes(gpus: int) -> list[int]:
+    """Return 1, then ``SPREAD`` up to ``gpus``; on one GPU (or none) ``SHARED_SPREAD``."""
+    spread = [n for n in SPREAD if n <= gpus] if gpus > 1 else list(SHARED_SPREAD)
+    return [1, *spread]
 
 
 def size_arg(text: str) -> int:
@@ -56,7 +68,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="4 sizes, few iterations")
     parser.add_argument("--sizes", help="comma-separated bytes (default 8 B to 1 GiB, doubling)")
     parser.add_argument("--ops", default=",".join(OPS))
-    parser.add_argument("--world-sizes", default="1,2", help="those above the GPU count skip")
+    parser.add_argument("--world-sizes", default="", help="default: 1, 2, 4, 8 up to the GPUs")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--iters", type=int, default=None, help="calls per timed repetition")
     parser.add_argument("--warmup", type=int, default=5)
@@ -122,6 +134,8 @@ class Run:
         self.args = args
         self.records: list[dict[str, Any]] = []
         self.overhead: dict[str, dict[str, float]] = {}
+        self.overhead_at: dict[int, dict[str, dict[str, float]]] = {}
+        """The per-call host times at each world size above 1, where the check runs."""
         self.notes: list[str] = []
         self.info: dict[str, str] = {}
         self.failed = False
@@ -145,23 +159,26 @@ class Run:
             for impl in self.args.impls:
                 if impl in unavailable:
                     self.note(f"{impl}: unavailable: {unavailable[impl]}")
-            if n == 1:
-                self.measure_overhead(pool, impls)
+            self.measure_overhead(pool, impls, n)
             self.sweep(pool, n, impls)
             pool.run(nccl_peers.teardown)
 
-    def measure_overhead(self, pool: RankPool, impls: list[str]) -> None:
-        """Time the 8-byte allreduce of every implementation, and profile ours if asked."""
+    def measure_overhead(self, pool: RankPool, impls: list[str], n: int = 1) -> None:
+        """Time each implementation's 8-byte allreduce at world size ``n``, slowest rank's.
+
+        A group of one skips the mismatch check: what it costs shows from 2 ranks on.
+        """
+        found = self.overhead if n == 1 else self.overhead_at.setdefault(n, {})
         for impl in impls:
             try:
-                stats = pool.run(nccl_timing.overhead, impl, self.args.overhead_calls)[0]
+                per_rank = pool.run(nccl_timing.overhead, impl, self.args.overhead_calls)
             except RankError as exc:
                 if pool.broken:
                     raise
-                self.note(f"{impl} 8-byte allreduce overhead: failed: {exc}", failure=True)
+                self.note(f"{impl} 8-byte allreduce overhead, world size {n}: failed: {exc}", True)
                 continue
-            self.overhead[impl] = stats
-        if self.args.profile and "collective" in self.overhead:
+            found[impl] = max(per_rank, key=lambda stats: stats["median_us"])
+        if n == 1 and self.args.profile and "collective" in self.overhead:
             calls = self.args.overhead_calls
             text = pool.run(nccl_timing.profile, "collective", calls)[0]
             parts = pool.run(nccl_timing.device_calls, calls)[0]
@@ -241,24 +258,32 @@ def _block_order(block: tuple[str, int]) -> tuple[int, int]:
     return block[1], OPS.index(block[0])
 
 
-def overhead_table(overhead: dict[str, dict[str, float]], calls: int) -> str:
-    """Return the per-call host time of each implementation's 8-byte allreduce."""
+def overhead_table(overhead: dict[str, dict[str, float]], calls: int, world_size: int = 1) -> str:
+    """Return each implementation's 8-byte allreduce host time; from 2 ranks, over _nocheck's."""
     if not overhead:
         return ""
     base = overhead.get(RAW, {}).get("median_us")
+    unchecked = overhead.get(NOCHECK, {}).get("median_us") if world_size > 1 else None
+    goals = f"ours at most {OVERHEAD_GOAL_US:g} us above {RAW}"
+    if unchecked is not None:
+        goals += f"; the check at most {CHECK_GOAL_US:g} us above {NOCHECK}"
     lines = [
-        f"# per-call host time of an 8-byte float32 allreduce, world size 1, {calls} calls "
-        f"(goal: ours at most {OVERHEAD_GOAL_US:g} us above {RAW})",
-        f"{'impl':>17} {'median(us)':>11} {'p10(us)':>9} {'p90(us)':>9} "
-        f"{'burst(us/call)':>15} {'over raw(us)':>13}",
+        f"# per-call host time of an 8-byte float32 allreduce, world size {world_size}, "
+        f"{calls} calls, the slowest rank (goal: {goals})",
+        f"{'impl':>20} {'median(us)':>11} {'p10(us)':>9} {'p90(us)':>9} "
+        f"{'burst(us/call)':>15} {'over raw(us)':>13}"
+        + (f" {'over nocheck(us)':>17}" if unchecked is not None else ""),
     ]
     for impl in sorted(overhead, key=IMPLS.index):
         s = overhead[impl]
         over = f"{s['median_us'] - base:+.2f}" if base is not None else "-"
-        lines.append(
-            f"{impl:>17} {s['median_us']:>11.2f} {s['p10_us']:>9.2f} {s['p90_us']:>9.2f} "
+        line = (
+            f"{impl:>20} {s['median_us']:>11.2f} {s['p10_us']:>9.2f} {s['p90_us']:>9.2f} "
             f"{s['batch_us']:>15.2f} {over:>13}"
         )
+        if unchecked is not None:
+            line += f" {s['median_us'] - unchecked:>+17.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -299,6 +324,10 @@ def report(run: Run, why: str) -> str:
         *(f"# {k}: {v}" for k, v in run.info.items()),
         table(run.records) if not why else unavailable_table(args.ops, args.world_sizes, why),
         overhead_table(run.overhead, run.args.overhead_calls),
+        *(
+            overhead_table(run.overhead_at[n], run.args.overhead_calls, n)
+            for n in sorted(run.overhead_at)
+        ),
         gap_table(run.records),
         *(f"# {note}" for note in run.notes),
     ]
@@ -320,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         why = f"no GPU: {why}"
     run.gpus = gpus
+    args.world_sizes = args.world_sizes or default_world_sizes(gpus)
     for n in args.world_sizes:
         if why:
             break
@@ -350,7 +380,13 @@ def main(argv: list[str] | None = None) -> int:
             **gpu_results.run_meta(args.world_sizes),
             **run.info,
         }
-        body = {"meta": meta, "results": run.records, "overhead": run.overhead, "notes": run.notes}
+        body = {
+            "meta": meta,
+            "results": run.records,
+            "overhead": run.overhead,
+            "overhead_by_world_size": {str(n): o for n, o in sorted(run.overhead_at.items())},
+            "notes": run.notes,
+        }
         args.json.write_text(json.dumps(body, indent=2) + "\n")
     print(f"\n# {len(run.records)} points, {wrong} wrong, in {time.monotonic() - start:.1f} s")
     return 1 if run.failed or wrong else 0

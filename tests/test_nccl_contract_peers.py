@@ -3,7 +3,8 @@
 Ranks are threads on ``ContractCupy`` (see ``tests/nccl_threads.py``): an op that a peer
 never joins is one whose events never complete. World size 3: rank 1 skips the second
 allreduce; ranks 0 and 2 time out and name rank 1, how many collectives it issued and
-the last one, and a rank that times out tells the others, whose groups fail at once.
+the last one, or, when rank 1 is dead (its watch thread gone), name it as a rank that did
+not answer; a rank that times out tells the others, whose groups fail at once.
 The replay of a CUDA graph put under ``watch`` fails the group at its timeout, and the
 watchdog keeps a busy group patrolled, lets an idle one go and takes it back.
 """
@@ -75,6 +76,25 @@ def test_a_timeout_names_the_rank_that_never_issued_the_op(ranks: Callable[..., 
             message
         ), (rank, message)
         assert "(op 2 of the group): [0, 2]" in message, (rank, message)
+
+
+def test_a_timeout_names_a_dead_rank_and_asks_the_peers_once(
+    ranks: Callable[..., Ranks],
+) -> None:
+    """Rank 1's watch thread is gone, as when its process died, and rank 2 skips the op.
+
+    Rank 0's ``wait`` and the watchdog find the same timeout at once; one of them asks
+    the peers and waits for rank 1's answer, the other takes that error: rank 0 raises
+    within the timeout and one answer wait, not two.
+    """
+    r = ranks(3, timeout=timedelta(seconds=20))
+    peers = r.groups[1]._peers
+    assert peers is not None
+    peers.stop()
+    took, message = _skip_second_allreduce(r, stuck=[0])[0]
+    assert took < (TIMEOUT + progress.ANSWER_WAIT + timedelta(seconds=1)).total_seconds(), took
+    assert "ranks that never joined it: [2] (rank 2 has issued 1 ops" in message, message
+    assert "ranks that did not answer: [1]" in message, message
 
 
 def test_a_rank_that_times_out_tells_the_others_at_once(ranks: Callable[..., Ranks]) -> None:

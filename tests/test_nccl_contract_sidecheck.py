@@ -132,6 +132,26 @@ def test_a_mismatch_that_hangs_the_op_is_reported_as_one_not_as_a_timeout(
         assert "shape:" in str(group.error)
 
 
+def test_ranks_that_disagree_on_an_async_op_all_raise_at_its_wait(
+    ranks: Callable[..., Ranks],
+) -> None:
+    r = ranks(2)
+    played = hold_checks(r)
+    r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
+    play_nccl(r, played)
+    works = r.run(
+        lambda rank, g: g.allreduce(
+            [DeviceArray((8, 2 + rank), "float32")], AllReduceOptions(async_op=True)
+        )
+    )
+    play_nccl(r, played)
+    for rank, work in enumerate(works):
+        with pytest.raises(CollectiveError, match="different ops or arguments") as info:
+            work.wait()
+        assert "elements: 16 .. 24" in str(info.value), (rank, str(info.value))
+        assert "shape:" in str(info.value), (rank, str(info.value))
+
+
 def test_an_async_op_and_an_agreement_check_on_the_check_communicator(
     ranks: Callable[..., Ranks],
 ) -> None:

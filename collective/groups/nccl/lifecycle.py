@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from itertools import chain
 from typing import Any
@@ -114,6 +115,9 @@ class NcclLifecycle(BaseGroup):
         self._store = store
         self._lock = threading.Lock()
         self._op_lock = threading.Lock()
+        self._asking = threading.Lock()
+        """Held by a timed-out op while it asks the peers and records the error: the same
+        timeout found meanwhile by the watchdog or ``wait`` takes that error, not asking again."""
         self._comms: dict[tuple[Any, ...], list[Any]] = {}
         self._streams: dict[int, int] = {}
         self._events: dict[int, list[Any]] = {}
@@ -217,24 +221,26 @@ class NcclLifecycle(BaseGroup):
         if self._aborted is not None:
             return self._aborted_error(op)
         peers = self._peers
-        if isinstance(exc, CollectiveError):
-            error = exc
-        elif isinstance(exc, TimeoutError):
-            detail = str(exc)
-            if number and peers is not None and self._error is None:
-                detail += "; " + peers.progress(number, answer_wait(timeout))
-            error = CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
-        else:
-            error = CollectiveError(
-                f"{op} on group {self.group_name!r} failed on rank {self.rank}: "
-                f"{type(exc).__name__}: {exc}"
-            )
-        with self._lock:
-            first = self._error
-            if first is None:
-                self._error = error
-                self._close()
-            comms = [c for entry in self._comms.values() for c in entry]
+        timed_out = isinstance(exc, TimeoutError) and not isinstance(exc, CollectiveError)
+        with self._asking if timed_out else nullcontext():
+            if isinstance(exc, CollectiveError):
+                error = exc
+            elif timed_out:
+                detail = str(exc)
+                if number and peers is not None and self._error is None:
+                    detail += "; " + peers.progress(number, answer_wait(timeout))
+                error = CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
+            else:
+                error = CollectiveError(
+                    f"{op} on group {self.group_name!r} failed on rank {self.rank}: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+            with self._lock:
+                first = self._error
+                if first is None:
+                    self._error = error
+                    self._close()
+                comms = [c for entry in self._comms.values() for c in entry]
         if first is not None:  # the first failure aborted the communicators
             return first
         self._watch.stopped = True

@@ -18,12 +18,14 @@ fields that differ rather than ending in a bare timeout.
 With ``COLLECTIVE_NCCL_CHECK=side`` the check leaves the op's stream: its allreduce
 runs on a communicator of its own (one per GPU, made with the first check) on the
 group's comm stream of that GPU, and so does the copy of its words and result. The
-words do not depend on the op's data, so that stream waits for nothing, and the
-check's kernel overlaps the op's instead of running before it; NCCL keeps each
-communicator's kernels in order, so check k still meets check k on every rank.
-Two communicators with kernels in flight at once on one GPU are safe under NCCL's
-rules only with ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` (NCCL 2.26 and later), or while
-the GPU holds both kernels at once (see docs/nccl.md).
+words do not depend on the op's data, so that stream waits for nothing and the op's
+stream carries only the op; NCCL keeps each communicator's kernels in order, so check
+k still meets check k on every rank. NCCL's rule for several communicators on one GPU:
+before 2.26 their operations must follow one global order set by stream dependencies
+or synchronisation, which ``side`` does not set; from 2.26,
+``NCCL_LAUNCH_ORDER_IMPLICIT=1`` makes NCCL order them as the host issues them (check
+k, then op k, under the op lock), provided every GPU sees the same host order. That
+order runs the check's kernel before the op's, not beside it (see docs/nccl.md).
 
 Nothing of this runs during CUDA-graph capture. A group with ``COLLECTIVE_NCCL_CHECK=0``
 in its environment skips the check.
