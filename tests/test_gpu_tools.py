@@ -59,7 +59,7 @@ def test_run_sh_without_gpu_or_ray_says_why_and_succeeds(
         "bench.json",
         "bench.log",
         "bench.txt",
-        "bench_nocheck.txt",
+        "bench_check.txt",
         "env.txt",
         "pytest.log",
         "summary.md",

@@ -21,10 +21,12 @@ import pytest
 import collective as col
 from collective.frameworks import cuda_buffers
 from collective.groups import progress
+from collective.groups.nccl import mismatch
 from collective.groups.nccl.group import NCCLGroup
 from collective.groups.nccl.watchdog import LINGER_S
 from collective.types import (
     AllReduceOptions,
+    BroadcastOptions,
     CollectiveError,
     CollectiveTimeoutError,
     GroupNotFoundError,
@@ -94,7 +96,30 @@ def test_a_timeout_names_a_dead_rank_and_asks_the_peers_once(
     took, message = _skip_second_allreduce(r, stuck=[0])[0]
     assert took < (TIMEOUT + progress.ANSWER_WAIT + timedelta(seconds=1)).total_seconds(), took
     assert "ranks that never joined it: [2] (rank 2 has issued 1 ops" in message, message
-    assert "ranks that did not answer: [1]" in message, message
+    assert "ranks that did not answer (dead or frozen): [1]" in message, message
+
+
+def test_a_timeout_names_the_rank_whose_op_of_that_number_was_another(
+    ranks: Callable[..., Ranks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the mismatch check off, rank 1 broadcasts where ranks 0 and 2 allreduce."""
+    monkeypatch.setenv(mismatch.CHECK_ENV, "0")
+    r = ranks(3, timeout=timedelta(seconds=20))
+    r.run(lambda _, g: _allreduce(g).wait())
+    r.settle()
+    for rank in (0, 2):
+        r.cupys[rank].trace.event_status = lambda handle, real_status: NOT_READY
+    x = DeviceArray((4, 8), "float32", 0)
+    r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=1)), ranks=[1])
+
+    def second(rank: int, group: NCCLGroup) -> str:
+        with pytest.raises(CollectiveError) as info:
+            _allreduce(group, TIMEOUT).wait()
+        return str(info.value)
+
+    for message in r.run(second, ranks=[0, 2]):
+        assert "ranks that joined it (op 2 of the group): [0, 2]" in message, message
+        assert "ranks whose op 2 was another: rank 1 (broadcast)" in message, message
 
 
 def test_a_rank_that_times_out_tells_the_others_at_once(ranks: Callable[..., Ranks]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from collective.groups import progress
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.watch import FailureWatch
 from collective.rendezvous.incarnation import IncarnationStore
@@ -177,3 +178,16 @@ def test_a_failure_report_that_a_query_replaces_is_still_seen() -> None:
         for watch in watches:
             watch.stop()
     assert "ranks that never joined it: [1] (rank 1 has issued 4 ops)" in line, line
+
+
+def test_a_timeout_line_names_who_joined_who_never_did_and_whose_op_was_another() -> None:
+    counts = {1: 2, 2: 1, 3: 2}
+    lasts = {1: "broadcast", 2: "allreduce", 3: "allreduce"}
+    line = progress.describe(0, 2, counts, [4], "did not answer", lasts, "allreduce")
+    assert line == (
+        "ranks that joined it (op 2 of the group): [0, 3]; ranks that never joined it: [2] "
+        "(rank 2 has issued 1 ops, the last allreduce); ranks whose op 2 was another: "
+        "rank 1 (broadcast); ranks that did not answer: [4]"
+    )
+    unnamed = progress.describe(0, 2, counts, [], "did not answer", lasts)
+    assert "another" not in unnamed and "joined it (op 2 of the group): [0, 1, 3]" in unnamed

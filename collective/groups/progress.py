@@ -70,6 +70,7 @@ def ask(
     op_number: int,
     query_key: Callable[[int], str],
     wait: timedelta = ANSWER_WAIT,
+    op: str = "",
 ) -> str:
     """Ask every peer for its op count; describe who joined op ``op_number`` and who never did.
 
@@ -80,6 +81,7 @@ def ask(
         op_number: the number of the op that timed out here, counting from 1.
         query_key: the key a peer's watch thread reads, by the peer's rank.
         wait: how long to wait for all answers together.
+        op: the op that timed out here, to name a peer whose op of that number differs.
 
     Returns:
         One line for the error message; it never raises.
@@ -106,7 +108,7 @@ def ask(
         except (CollectiveError, TimeoutError, RuntimeError, ValueError):
             continue
     silent = [p for p in peers if p not in counts]
-    return describe(rank, op_number, counts, silent, "did not answer", lasts)
+    return describe(rank, op_number, counts, silent, "did not answer (dead or frozen)", lasts, op)
 
 
 def describe(
@@ -116,6 +118,7 @@ def describe(
     unknown: list[int],
     why: str,
     lasts: dict[int, str] | None = None,
+    op: str = "",
 ) -> str:
     """Describe who joined op ``op_number``, given the op ``counts`` of the peers that said.
 
@@ -126,18 +129,25 @@ def describe(
         unknown: the peers whose count is not known.
         why: why they are not known, e.g. ``"did not answer"``.
         lasts: the name of the last op each peer issued, where it said ("" if none).
+        op: this rank's op; a peer whose op ``op_number`` (its last) has another name
+            issued a different op.
 
     Returns:
         One line for a timeout's message.
 
     """
-    joined = sorted([rank] + [p for p, c in counts.items() if c >= op_number])
+    said = lasts or {}
+    other = sorted(p for p, c in counts.items() if c == op_number and op and said.get(p, op) != op)
+    joined = sorted([rank] + [p for p, c in counts.items() if c >= op_number and p not in other])
     missing = sorted(p for p, c in counts.items() if c < op_number)
     line = f"ranks that joined it (op {op_number} of the group): {joined}; "
     line += f"ranks that never joined it: {missing}"
     if missing:
-        said = lasts or {}
         line += " (" + ", ".join(_issued(p, counts[p], said.get(p, "")) for p in missing) + ")"
+    if other:
+        line += f"; ranks whose op {op_number} was another: " + ", ".join(
+            f"rank {p} ({said[p]})" for p in other
+        )
     return line + (f"; ranks that {why}: {unknown}" if unknown else "")
 
 

@@ -132,12 +132,13 @@ class FailureWatch:
         except (CollectiveError, RuntimeError):
             return None
 
-    def progress(self, op_number: int, wait: timedelta = progress.ANSWER_WAIT) -> str:
+    def progress(self, op_number: int, wait: timedelta = progress.ANSWER_WAIT, op: str = "") -> str:
         """Ask the other ranks how far they got; describe who never joined op ``op_number``.
 
-        The answers are waited for up to ``wait`` in all.
+        The answers are waited for up to ``wait`` in all; ``op`` is this rank's op.
         """
-        return progress.ask(self._store, self._rank, self._world_size, op_number, abort_key, wait)
+        store, rank, size = self._store, self._rank, self._world_size
+        return progress.ask(store, rank, size, op_number, abort_key, wait, op)
 
     def report(self, failure: str) -> None:
         """Tell every other rank that this one failed with ``failure``; never raises."""

@@ -83,6 +83,8 @@ class GlooRunning(BaseGroup):
         self._in_flight = InFlight()
         self._ops = 0
         """How many collectives this rank has issued on the group (send and recv excepted)."""
+        self._last = ""
+        """The name of the last of them."""
         self._agreeing = world_size > 1
         """Whether each op first checks that every rank passed the same arguments."""
         self._lanes: dict[str, Lane] = {}
@@ -99,7 +101,9 @@ class GlooRunning(BaseGroup):
             prefix = "/".join(p for p in (group_name, store.incarnation) if p)
             prefixed = dist.PrefixStore(f"{prefix}/", self._tcp_store)
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, pg_options)
-            self._watch = FailureWatch(store, rank, world_size, group_name, lambda: self._ops)
+            self._watch = FailureWatch(
+                store, rank, world_size, group_name, lambda: self._ops, last_op=lambda: self._last
+            )
         except TimeoutError as exc:
             self.destroy_group()
             raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
@@ -183,7 +187,7 @@ class GlooRunning(BaseGroup):
         if is_timeout(exc):
             detail = str(exc)
             if number and self._watch is not None:
-                detail = f"{detail}; {self._watch.progress(number, answer_wait(timeout))}"
+                detail = f"{detail}; {self._watch.progress(number, answer_wait(timeout), op)}"
             return CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
         if is_closed(exc) and self._watch is not None:
             # A peer whose own op failed closes its connections, then says why.
@@ -267,6 +271,7 @@ class GlooRunning(BaseGroup):
         with self._in_flight.lock:
             self._check_usable(destroyed=self._pg is None)
             self._ops += 1
+            self._last = op
             return self._ops
 
     def _start(
@@ -292,7 +297,7 @@ class GlooRunning(BaseGroup):
                 number = 0
                 if completion is not Completion.DIRECT_WAIT:
                     self._ops += 1
-                    number = self._ops
+                    self._last, number = op, self._ops
             try:
                 work = GlooWork(
                     self, op, start(options.timeout), timeout, finish, completion, number

@@ -228,7 +228,7 @@ class NcclLifecycle(BaseGroup):
             elif timed_out:
                 detail = str(exc)
                 if number and peers is not None and self._error is None:
-                    detail += "; " + peers.progress(number, answer_wait(timeout))
+                    detail += "; " + peers.progress(number, answer_wait(timeout), op)
                 error = CollectiveTimeoutError(op, self.group_name, self.rank, timeout, detail)
             else:
                 error = CollectiveError(
