@@ -171,6 +171,12 @@ def versions() -> dict[str, str]:
     }
 
 
+def _picked(transports: list[str]) -> None:
+    """Refuse to time a group that did not pick the shared-GPU transport on every rank."""
+    if any(t != "shared_gpu" for t in transports):
+        raise RuntimeError(f"the ranks' groups picked {transports}, not the shared-GPU transport")
+
+
 def measure(quick: bool) -> dict[str, Any]:
     """Run every point; return the rows and the goals' verdicts."""
     size = (64 << 20) if quick else GIB
@@ -183,7 +189,7 @@ def measure(quick: bool) -> dict[str, Any]:
 
     with RankPool(4, timeout=timedelta(seconds=600)) as pool:
         name = f"bench-shared-{uuid.uuid4().hex[:6]}"
-        pool.run(_open, name)
+        _picked(pool.run(_open, name))
         bound = row(
             f"3 cupy copies of {size >> 20} MiB (rank 0)",
             1,
@@ -204,7 +210,7 @@ def measure(quick: bool) -> dict[str, Any]:
     rows[2]["vs_broadcast"] = sd / bcast
     with RankPool(2, timeout=timedelta(seconds=600)) as pool:
         name = f"bench-shared2-{uuid.uuid4().hex[:6]}"
-        pool.run(_open, name)
+        _picked(pool.run(_open, name))
         small = {
             w: row(
                 f"allreduce 8 B x1000, {w}", 2, _slowest(pool.run(allreduce_job, w, 8, 1000, reps))
