@@ -33,6 +33,7 @@ OURS, OURS_TORCH, RAW, TORCH = "collective", "collective_torch", "cupy_nccl", "t
 TITLES = {
     OURS: "`collective`, cupy array",
     OURS_TORCH: "`collective`, torch tensor",
+    "collective_sidecheck": "`collective`, mismatch check beside the op (`side`)",
     "collective_nocheck": "`collective`, mismatch check off",
     TORCH: "torch `ProcessGroupNCCL`",
     RAW: "bare `cupy.cuda.nccl`",

@@ -88,6 +88,17 @@ def run(gpus: int = 2) -> dict[str, Any]:
             impl: {"median_us": v, "p10_us": v * 0.9, "p90_us": v * 1.2, "batch_us": v * 0.8}
             for impl, v in OVERHEAD_US.items()
         },
+        "overhead_by_world_size": {
+            "2": {
+                impl: {"median_us": v, "p10_us": v, "p90_us": v, "batch_us": v}
+                for impl, v in {
+                    "collective": 4.1,
+                    "collective_sidecheck": 4.0,
+                    "collective_nocheck": 3.6,
+                    "cupy_nccl": 0.4,
+                }.items()
+            }
+        },
         "notes": ["world size 3: 3 ranks share 2 GPU(s), each a host of its own"],
         "shared_gpu": {
             "versions": {"gpu": "NVIDIA H100 80GB HBM3"},
@@ -216,3 +227,18 @@ def test_the_run_without_a_gpu_is_refused() -> None:
     """What ``tests/gpu/run.sh`` writes on a machine without a GPU cannot be published."""
     body = {"meta": {"unavailable": "no GPU: no CUDA", "gpus": 0}, "results": [], "overhead": {}}
     assert any("measured no GPU" in p for p in gpu_results.problems(body))
+
+
+def test_the_mismatch_checks_cost_is_a_table_of_its_own_from_two_ranks() -> None:
+    body = run()
+    body["results"].append(record("collective_sidecheck", "allreduce", 2, 8, 11.5, 0.0))
+    text = gpu_pages.nccl_body(body)
+    rows = [line for line in text.splitlines() if line.startswith("| NVIDIA") and "`side`" in line]
+    assert len(rows) == 1 and "world size 2" in rows[0], rows
+    assert "| 4 µs | +0.40 µs | 11.5 µs |" in rows[0], rows[0]
+    on = next(line for line in text.splitlines() if "(`1`, the default) |" in line)
+    assert "| 4.1 µs | +0.50 µs |" in on, on
+    off = next(line for line in text.splitlines() if "off (`0`) |" in line)
+    assert "| 3.6 µs | — |" in off, off
+    del body["overhead_by_world_size"]
+    assert "What the mismatch check costs" not in gpu_pages.nccl_body(body)

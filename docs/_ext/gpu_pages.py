@@ -96,6 +96,41 @@ def per_call_table(body: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+CHECKS = {
+    OURS: "on the op's stream (`1`, the default)",
+    "collective_sidecheck": "beside the op (`side`)",
+    "collective_nocheck": "off (`0`)",
+}
+"""The mismatch check on the op's stream, beside it, and off, as ``benchmarks.nccl`` runs it."""
+
+
+def check_table(body: dict[str, Any]) -> str:
+    """Return what the mismatch check costs an 8-byte allreduce, from world size 2 on.
+
+    Host time per call (each call timed alone, the slowest rank) and the op sweep's
+    time per call of a burst, with the check on the op's stream, beside it and off.
+    """
+    meta = body["meta"]
+    lines = [
+        "| where | check | host time per call | over the check off | 8-byte allreduce, "
+        "per call of a burst |",
+        "|---|---|---|---|---|",
+    ]
+    for n, over in sorted((int(k), v) for k, v in body.get("overhead_by_world_size", {}).items()):
+        off = over.get("collective_nocheck", {}).get("median_us")
+        sweep = {
+            r["impl"]: r["time_us"]["median"]
+            for r in body.get("results", [])
+            if (r["op"], r["world_size"], r["size"]) == ("allreduce", n, 8)
+        }
+        for impl in [i for i in CHECKS if i in over]:
+            host = over[impl]["median_us"]
+            extra = "—" if off is None or impl == "collective_nocheck" else f"{host - off:+.2f} µs"
+            burst = us(sweep[impl]) if impl in sweep else "—"
+            lines.append(f"| {where(meta, n)} | {CHECKS[impl]} | {us(host)} | {extra} | {burst} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def latency_table(body: dict[str, Any]) -> str:
     """Return the 8-byte allreduce of the op sweep, bursts then a sync, at every world size."""
     meta = body["meta"]
@@ -203,6 +238,15 @@ def nccl_body(body: dict[str, Any] | None) -> str:
             "burst column is a run of calls then one sync:",
             "",
             per_call_table(body),
+            "",
+        ]
+    checks = check_table(body)
+    if checks:
+        parts += [
+            "What the mismatch check costs where there are peers to compare with (a group "
+            "of one skips it), from the same run:",
+            "",
+            checks,
             "",
         ]
     latency = latency_table(body)

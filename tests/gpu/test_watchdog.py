@@ -1,4 +1,4 @@
-"""The watchdog, the mismatch check and CUDA-graph capture on a GPU, at world size 2.
+"""The watchdog, the mismatch check and CUDA-graph capture on a GPU, at world sizes 2 and 3.
 
 A blocking op whose peer never calls leaves the caller's ``torch.cuda.synchronize``
 hanging until the watchdog aborts the group's communicators, within the timeout
@@ -36,11 +36,11 @@ SLACK_S = 10.0
 
 
 @contextmanager
-def _pool(timeout_s: float | None = None) -> Iterator[Any]:
-    """Yield two rank processes, each in one new NCCLGroup of timeout ``timeout_s``."""
+def _pool(timeout_s: float | None = None, world_size: int = 2) -> Iterator[Any]:
+    """Yield ``world_size`` rank processes, each in one new NCCLGroup of timeout ``timeout_s``."""
     from benchmarks.nccl_ranks import RankPool
 
-    with RankPool(2, timeout=timedelta(seconds=120)) as pool:
+    with RankPool(world_size, timeout=timedelta(seconds=120)) as pool:
         pool.run(cases.open_group, f"gpu-watch-{uuid.uuid4().hex[:8]}", timeout_s)
         yield pool
 
@@ -55,6 +55,19 @@ def test_a_peer_that_never_calls_ends_at_the_timeout_and_breaks_the_group() -> N
     assert "ranks that never joined it: [1] (rank 1 has issued 1 ops, the last allreduce)" in (
         message
     )
+
+
+def test_at_three_ranks_both_ranks_left_waiting_name_the_one_that_never_called() -> None:
+    """Ranks 0 and 2 time out together; each names rank 1, or raises the other's report."""
+    with _pool(TIMEOUT_S, world_size=3) as pool:
+        results = pool.run(hangs.stall_on_rank, 1, timeout=timedelta(seconds=120))
+    for rank in (0, 2):
+        took, error, message = results[rank]
+        assert took < TIMEOUT_S + SLACK_S, f"rank {rank}: synchronize took {took:.1f} s"
+        named = "ranks that never joined it: [1] (rank 1 has issued 1 ops" in message
+        told = error == "CollectiveError" and "reported" in message
+        assert (error == "CollectiveTimeoutError" and named) or told, (rank, error, message)
+    assert any("never joined it: [1]" in message for _, _, message in (results[0], results[2]))
 
 
 def test_ranks_that_allreduce_different_counts_both_raise() -> None:
