@@ -270,9 +270,13 @@ class GlooRunning(BaseGroup):
         """Count one more collective of this rank; raise if the group cannot run it."""
         with self._in_flight.lock:
             self._check_usable(destroyed=self._pg is None)
-            self._ops += 1
-            self._last = op
-            return self._ops
+            return self._count(op)
+
+    def _count(self, op: str) -> int:
+        """Count collective ``op`` as this rank's next and return its number; hold the lock."""
+        self._ops += 1
+        self._last = op
+        return self._ops
 
     def _start(
         self,
@@ -296,8 +300,7 @@ class GlooRunning(BaseGroup):
             if number is None:
                 number = 0
                 if completion is not Completion.DIRECT_WAIT:
-                    self._ops += 1
-                    self._last, number = op, self._ops
+                    number = self._count(op)
             try:
                 work = GlooWork(
                     self, op, start(options.timeout), timeout, finish, completion, number
