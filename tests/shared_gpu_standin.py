@@ -82,10 +82,11 @@ class HostGpu:
 class HostDevice:
     """One rank's ``Device`` on a ``HostGpu``; see the module docstring."""
 
-    def __init__(self, gpu: HostGpu, rank: int) -> None:
-        """Act as ``rank`` on ``gpu``."""
+    def __init__(self, gpu: HostGpu, rank: int, device_id: int = 0) -> None:
+        """Act as ``rank`` on ``gpu``, which this rank numbers ``device_id``."""
         self.gpu = gpu
         self.rank = rank
+        self.device_id = device_id
         self.waits: list[tuple[int, int, int]] = []
         """(event, its owner, its records when waited on), in order."""
         self.records: list[tuple[int, int]] = []

@@ -9,6 +9,9 @@ Every rank publishes its node and its GPU's UUID; from the same list, every rank
 - several GPUs with several ranks on some: ``GpuHierarchyGroup``, the shared-GPU
   transport inside each GPU and NCCL among one leader per GPU (``hierarchy``).
 
+The last two run the ``*_multigpu`` calls of ranks that drive several GPUs through
+groups of one rank per tensor, built the same way (``multigpu``).
+
 ``COLLECTIVE_GPU_TRANSPORT=nccl`` skips the exchange and builds ``NCCLGroup``
 whatever the layout (for comparison; ranks that share a GPU then need a
 ``NCCL_HOSTID`` each, and move bytes through NCCL's sockets).
@@ -25,12 +28,13 @@ from collective.frameworks import cuda_buffers
 from collective.groups import topology
 from collective.groups.base import BaseGroup
 from collective.groups.gpu.hierarchy import GpuHierarchyGroup
+from collective.groups.gpu.multigpu import Gpus, SeveralGpus
 from collective.groups.gpu.stages import DEVICE_ARRAYS, Arrays, MakeStages, Stages
 from collective.groups.nccl.comm import cupy_module
 from collective.groups.nccl.group import NCCLGroup
 from collective.groups.shared_gpu.device import CudaDevice, Device
 from collective.groups.shared_gpu.group import SharedGpuGroup
-from collective.groups.shared_gpu.running import Buffers
+from collective.groups.shared_gpu.running import Buffers, SharedGpuRunning
 from collective.rendezvous.store import RendezvousStore
 from collective.types import DEFAULT_TIMEOUT, CollectiveError, CollectiveTimeoutError, GroupOptions
 
@@ -88,6 +92,16 @@ def capturing(x: Any) -> bool:
     return bool(cupy_module().cuda.get_current_stream().is_capturing())
 
 
+def cuda_gpus(cupy: Any) -> Gpus:
+    """Return this process's GPUs through cupy: ``CudaDevice`` on each, made current by cupy."""
+
+    def device(ordinal: int) -> Device:
+        with cupy.cuda.Device(ordinal):
+            return CudaDevice(cupy)
+
+    return Gpus(device, cupy.cuda.Device)
+
+
 CUDA_BUFFERS = Buffers(
     cuda_buffers.cuda_buffer,
     current_stream,
@@ -111,12 +125,16 @@ def connect_gpu_group(
     buffers: Buffers = CUDA_BUFFERS,
     make_stages: MakeStages | None = None,
     arrays: Arrays = DEVICE_ARRAYS,
+    gpus: Gpus | None = None,
 ) -> BaseGroup:
     """Connect this rank to the others of a ``backend="nccl"`` group; see the module docstring.
 
     ``device``, ``cupy``, ``buffers``, ``make_stages`` (the NCCL groups of a group
-    across GPUs) and ``arrays`` stand in for the CUDA device, cupy, CUDA's buffers, NCCL
-    and cupy's arrays in tests; by default they are the real ones.
+    across GPUs), ``arrays`` and ``gpus`` (this process's GPUs by ordinal, for the
+    ``*_multigpu`` calls) stand in for the CUDA device, cupy, CUDA's buffers, NCCL,
+    cupy's arrays and CUDA's devices in tests; by default they are the real ones.
+    Without ``gpus`` and ``cupy``, a ``*_multigpu`` list of several tensors raises
+    ``ValueError``.
 
     Raises:
         CollectiveError: cupy, NCCL or a GPU is missing, or ``COLLECTIVE_GPU_TRANSPORT``
@@ -137,24 +155,35 @@ def connect_gpu_group(
     picked = choose(places)
     if picked == "nccl":
         return NCCLGroup(world_size, rank, group_name, store, timeout, host, options)
-    shared: dict[str, Any] = {"device": device, "buffers": buffers, "cupy": cupy}
-    if picked == "shared_gpu":
-        return SharedGpuGroup(world_size, rank, group_name, store, timeout, host, options, **shared)
-    if make_stages is None:
+    shared: dict[str, Any] = {"buffers": buffers, "cupy": cupy}
 
-        def make_stages(size: int, index: int, name: str, scoped: RendezvousStore) -> Stages:
-            return NCCLGroup(size, index, name, scoped, timeout, host, options)
+    def nccl_stages(size: int, index: int, name: str, scoped: RendezvousStore) -> Stages:
+        return NCCLGroup(size, index, name, scoped, timeout, host, options)
 
-    return GpuHierarchyGroup(
-        world_size,
-        rank,
-        group_name,
-        store,
-        timeout,
-        host,
-        options,
-        places=places,
-        make_stages=make_stages,
-        arrays=arrays,
-        **shared,
-    )
+    stages = make_stages or nccl_stages
+
+    def build(
+        places: list[list[str]],
+        size: int,
+        index: int,
+        name: str,
+        scoped: RendezvousStore,
+        on: Device,
+    ) -> SharedGpuRunning:
+        """Build a group of ``size`` ranks that share GPUs: rank ``index``, on ``on``."""
+        common = (size, index, name, scoped, timeout, host, options)
+        if choose(places) == "shared_gpu":
+            return SharedGpuGroup(*common, device=on, **shared)
+        return GpuHierarchyGroup(
+            *common, places=places, make_stages=stages, arrays=arrays, device=on, **shared
+        )
+
+    def whole(name: str, scoped: RendezvousStore) -> BaseGroup:
+        return NCCLGroup(world_size, rank, name, scoped, timeout, host, options)
+
+    group = build(places, world_size, rank, group_name, store, device)
+    if gpus is None and cupy is not None:
+        gpus = cuda_gpus(cupy)
+    if gpus is not None:
+        group.lists = SeveralGpus(group, store, place[0], buffers, gpus, whole, build)
+    return group

@@ -291,7 +291,7 @@ class GpuHierarchyGroup(HierarchyRunning):
 
         Every piece holds the same bytes across GPUs (each stage moves equal rows).
         """
-        describe = self._buffers.describe
+        describe = self._describe
         ins = [describe(t, f"inputs[{i}]") for i, t in enumerate(inputs)]
         outs = [describe(t, f"outputs[{i}]") for i, t in enumerate(outputs)]
         if len(ins) != self.world_size or len(outs) != self.world_size:

@@ -29,6 +29,9 @@ MEMORY_HANDLE_BYTES = 64
 class Device(Protocol):
     """Device memory and events that other processes on the same GPU can open."""
 
+    device_id: int
+    """The GPU's CUDA ordinal in this process (where a caller's buffers must be)."""
+
     def uuid(self) -> str:
         """Return the UUID of this process's current GPU, the same in every process."""
         ...

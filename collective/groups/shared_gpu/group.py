@@ -43,8 +43,7 @@ class SharedGpuGroup(SharedGpuRunning):
                 f"a group whose ranks share a GPU takes one {name} per rank, "
                 f"got {len(tensor_lists)}"
             )
-        describe = self._buffers.describe
-        return [describe(t, f"{name}[{i}]") for i, t in enumerate(tensor_lists[0])]
+        return [self._describe(t, f"{name}[{i}]") for i, t in enumerate(tensor_lists[0])]
 
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Reduce by ``options.reduce_op`` into every rank's tensor, in place."""
@@ -132,11 +131,11 @@ class SharedGpuGroup(SharedGpuRunning):
         for i, t in enumerate(tensors):
             name = f"tensors[{i}]"
             try:
-                bufs.append(buffers.describe(t, name))
+                bufs.append(self._describe(t, name))
             except ArgumentValueError:
                 copy, write_back = buffers.contiguous_copy(t)
                 held.append(copy)
-                bufs.append(buffers.describe(copy, name))
+                bufs.append(self._describe(copy, name))
                 if self.rank != root:
                     staged.append((t, write_back))
         message = ByteList.at([b.ptr for b in bufs], [b.nbytes for b in bufs])
@@ -223,7 +222,7 @@ class SharedGpuGroup(SharedGpuRunning):
         self, outputs: Sequence[Any], inputs: Sequence[Any], options: AllToAllOptions
     ) -> Work:
         """Send ``inputs[j]`` to rank j; ``outputs[j]`` receives what rank j sends here."""
-        describe = self._buffers.describe
+        describe = self._describe
         ins = [describe(t, f"inputs[{i}]") for i, t in enumerate(inputs)]
         outs = [describe(t, f"outputs[{i}]") for i, t in enumerate(outputs)]
         _, collectives = self._collectives()

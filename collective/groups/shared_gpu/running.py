@@ -18,13 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from collective.frameworks.bytelist import ByteList
 from collective.frameworks.cuda_buffers import NCCL_DTYPES, CudaBuffer
 from collective.groups import progress
 from collective.groups.base import BaseGroup
 from collective.groups.lanes import Lanes
+from collective.groups.launches import Prepared
 from collective.groups.shared_gpu.device import Device
 from collective.groups.shared_gpu.transport import SharedGpu
 from collective.groups.shm.algorithms import Collectives
@@ -72,12 +73,37 @@ class Buffers:
     """A contiguous copy of a buffer, and what writes it back."""
 
 
+class Lists(Protocol):
+    """Runs the ops of ranks that pass one tensor per GPU they drive (``*_multigpu``).
+
+    ``groups.gpu.multigpu`` gives it; without one, such a list raises ``ValueError``.
+    """
+
+    def takes(self, op: str, args: tuple[Any, ...]) -> bool:
+        """Return whether the call ``op(*args)`` passes more than one tensor per list."""
+        ...
+
+    def prepare(self, op: str, args: tuple[Any, ...], options: Any) -> tuple[Prepared, bool]:
+        """Return a run of such a call, as ``BaseGroup.prepare`` does."""
+        ...
+
+    def abort(self, reason: str) -> None:
+        """End the ops it has pending, with ``reason``."""
+        ...
+
+    def destroy(self) -> None:
+        """Release every group it made."""
+        ...
+
+
 class SharedGpuRunning(BaseGroup):
     """A group whose ranks all share one GPU: how its ops run, fail and end."""
 
     device_type = "cuda"
     dtypes = frozenset(NCCL_DTYPES)
     supported_ops = REDUCE_OPS
+    lists: Lists | None = None
+    """What runs the ``*_multigpu`` calls with several tensors; set by ``groups.gpu``."""
 
     def __init__(
         self,
@@ -122,6 +148,7 @@ class SharedGpuRunning(BaseGroup):
         self._closing = False
         self._lanes = Lanes(group_name)
         self._views: dict[tuple[int, int], Any] = {}
+        self._device_id = device.device_id
         self._transport: SharedGpu | None = None
         local = list(range(world_size)) if local_ranks is None else list(local_ranks)
         try:
@@ -161,6 +188,13 @@ class SharedGpuRunning(BaseGroup):
 
     # --- running ops -------------------------------------------------------------------------
 
+    def prepare(self, op: str, args: tuple[Any, ...], options: Any) -> tuple[Prepared, bool]:
+        """Return a run of the call; one with a tensor per GPU goes to ``lists``."""
+        lists = self.lists
+        if lists is not None and lists.takes(op, args):
+            return lists.prepare(op, args, options)
+        return super().prepare(op, args, options)
+
     def _collectives(self) -> tuple[SharedGpu, Collectives]:
         transport = self._transport
         if transport is None or transport.collectives is None:
@@ -173,7 +207,25 @@ class SharedGpuRunning(BaseGroup):
             raise ArgumentValueError(
                 f"a group whose ranks share a GPU takes one {name} per rank, got {len(tensors)}"
             )
-        return self._buffers.describe(tensors[0], name)
+        return self._describe(tensors[0], name)
+
+    def _describe(self, x: Any, name: str) -> CudaBuffer:
+        """Return the description of buffer ``x``, which must be on this group's GPU.
+
+        Raises:
+            ArgumentValueError: ``x`` is on another GPU (its memory cannot be reached
+                by this GPU's kernels), or is not contiguous.
+            ArgumentTypeError: ``x`` is no GPU buffer, or of a dtype NCCL does not move.
+
+        """
+        buf = self._buffers.describe(x, name)
+        if buf.device != self._device_id:
+            raise ArgumentValueError(
+                f"{name} is on cuda:{buf.device}, but group {self.group_name!r} runs on "
+                f"cuda:{self._device_id}, the GPU its ranks share here; pass a tensor on that "
+                "GPU, or one per GPU to the *_multigpu calls"
+            )
+        return buf
 
     def _stream(self, op: str, tensors: Sequence[Any]) -> int:
         """Return the caller's current stream on the op's device, which may not capture a graph.
@@ -312,6 +364,8 @@ class SharedGpuRunning(BaseGroup):
         otherwise: the arena's abort word ends them too, and their groups break.
         """
         super().abort(reason)
+        if self.lists is not None:
+            self.lists.abort(reason)
         pending = self._lanes.active()
         transport = self._transport
         if transport is not None and transport.waiter is not None and transport.steps is not None:
@@ -333,6 +387,8 @@ class SharedGpuRunning(BaseGroup):
         error = CollectiveError(f"group {self.group_name!r} has been destroyed")
         lanes = self._lanes.stop(error)
         idle = all(lane.idle(_IDLE_S) for lane in lanes)
+        if self.lists is not None:
+            self.lists.destroy()
         transport, self._transport = self._transport, None
         if transport is not None and idle:
             transport.close()
