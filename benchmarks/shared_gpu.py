@@ -14,8 +14,15 @@ run it measures, each point the median of the slowest rank's repetitions:
   the broadcast);
 - 8-byte allreduce between 2 ranks: 1,000 calls, then a stream sync, per call (goal:
   at most 25 us and 10x faster than NCCL over sockets);
-- 1 GiB allreduce between 2 ranks (goal: 20x faster than NCCL over sockets).
+- 1 GiB allreduce between 2 ranks (goal: 20x faster than NCCL over sockets);
+- where NCCL is 2.30 or later, allreduce and broadcast from 8 B to 1 GiB between 2
+  ranks on this transport and on NCCL's multi-rank mode, side by side; where older,
+  that it is not installed (``benchmarks.multirank``);
+- the host time of one 8-byte ``col.allreduce`` of a group of one rank beside a bare
+  NCCL call (goal: within 5 us).
 
+These groups pick the shared-GPU transport alone (``COLLECTIVE_GPU_ROUTES=off``),
+whatever routes the package holds. The report prints each goal with what was measured.
 With ``--json`` it adds its results under the key ``"shared_gpu"`` of that file,
 keeping what else it holds, with the GPU, NCCL, cupy and torch versions. Without a
 GPU it prints why and exits 0.
@@ -37,7 +44,7 @@ from typing import Any
 from benchmarks.nccl_ranks import RankError, RankPool
 
 GIB = 1 << 30
-_STATE: dict[str, Any] = {}
+STATE: dict[str, Any] = {}
 """What a rank process keeps between jobs: its groups and buffers."""
 
 
@@ -56,12 +63,13 @@ def _open(context: Any, name: str) -> str:
     # What NCCL needs to hold two ranks of one communicator on one GPU: a host each.
     os.environ.setdefault("NCCL_HOSTID", f"collective-rank-{context.rank}")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ["COLLECTIVE_GPU_ROUTES"] = "off"  # the shared-GPU transport alone
     timeout = timedelta(seconds=120)
     store = PrefixedRendezvousStore(context.store, f"{name}/shared/")
     shared = connect_gpu_group(context.world_size, context.rank, name, store, timeout)
     held.create_group(name, lambda: (shared, store))
     plain = PrefixedRendezvousStore(context.store, f"{name}/nccl/")
-    _STATE.update(
+    STATE.update(
         shared=shared,
         nccl=NCCLGroup(context.world_size, context.rank, f"{name}-nccl", plain, timeout),
         name=name,
@@ -72,9 +80,9 @@ def _open(context: Any, name: str) -> str:
 def _close(context: Any) -> None:
     import collective as col
 
-    _STATE.pop("nccl").destroy_group()
-    col.destroy_collective_group(_STATE.pop("name"))
-    _STATE.clear()
+    STATE.pop("nccl").destroy_group()
+    col.destroy_collective_group(STATE.pop("name"))
+    STATE.clear()
 
 
 def _timed(context: Any, calls: int, reps: int, fn: Any) -> list[float]:
@@ -85,7 +93,7 @@ def _timed(context: Any, calls: int, reps: int, fn: Any) -> list[float]:
 
     out = []
     for _ in range(reps + 1):
-        _STATE["shared"].barrier(BarrierOptions())
+        STATE["shared"].barrier(BarrierOptions())
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(calls):
@@ -101,22 +109,24 @@ def allreduce_job(context: Any, which: str, nbytes: int, calls: int, reps: int) 
 
     from collective.types import AllReduceOptions
 
-    group = _STATE[which]
+    group = STATE[which]
     x = torch.ones(max(nbytes // 4, 1), device="cuda")
     options = AllReduceOptions()
     return _timed(context, calls, reps, lambda: group.allreduce([x], options))
 
 
-def broadcast_job(context: Any, nbytes: int, reps: int) -> list[float]:
-    """Time a broadcast of ``nbytes`` from rank 0 on the shared-GPU group."""
+def broadcast_job(
+    context: Any, nbytes: int, reps: int, which: str = "shared", calls: int = 1
+) -> list[float]:
+    """Time ``calls`` broadcasts of ``nbytes`` from rank 0 on this rank's ``which`` group."""
     import torch
 
     from collective.types import BroadcastOptions
 
-    group = _STATE["shared"]
+    group = STATE[which]
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     options = BroadcastOptions(root_rank=0)
-    return _timed(context, 1, reps, lambda: group.broadcast([x], options))
+    return _timed(context, calls, reps, lambda: group.broadcast([x], options))
 
 
 def state_dict_job(context: Any, nbytes: int, tensors: int, reps: int) -> list[float]:
@@ -127,7 +137,7 @@ def state_dict_job(context: Any, nbytes: int, tensors: int, reps: int) -> list[f
 
     each = nbytes // tensors // 4
     state = {f"w{i}": torch.empty(each, device="cuda") for i in range(tensors)}
-    name = _STATE["name"]
+    name = STATE["name"]
     return _timed(context, 1, reps, lambda: col.broadcast_state_dict(state, 0, name))
 
 
@@ -150,7 +160,7 @@ def copies_job(context: Any, nbytes: int, copies: int, reps: int) -> list[float]
     return out[1:]
 
 
-def _slowest(per_rank: list[list[float]]) -> float:
+def slowest(per_rank: list[list[float]]) -> float:
     """Return the median over repetitions of the slowest rank's time."""
     return statistics.median(max(times) for times in zip(*per_rank, strict=True))
 
@@ -171,14 +181,14 @@ def versions() -> dict[str, str]:
     }
 
 
-def _picked(transports: list[str]) -> None:
+def picked(transports: list[str]) -> None:
     """Refuse to time a group that did not pick the shared-GPU transport on every rank."""
     if any(t != "shared_gpu" for t in transports):
         raise RuntimeError(f"the ranks' groups picked {transports}, not the shared-GPU transport")
 
 
-def measure(quick: bool) -> dict[str, Any]:
-    """Run every point; return the rows and the goals' verdicts."""
+def measure(quick: bool, info: dict[str, str]) -> dict[str, Any]:
+    """Run every point on the machine ``info`` describes; return the rows and the goals."""
     size = (64 << 20) if quick else GIB
     reps = 3 if quick else 5
     rows: list[dict[str, Any]] = []
@@ -189,7 +199,7 @@ def measure(quick: bool) -> dict[str, Any]:
 
     with RankPool(4, timeout=timedelta(seconds=600)) as pool:
         name = f"bench-shared-{uuid.uuid4().hex[:6]}"
-        _picked(pool.run(_open, name))
+        picked(pool.run(_open, name))
         bound = row(
             f"3 cupy copies of {size >> 20} MiB (rank 0)",
             1,
@@ -198,22 +208,22 @@ def measure(quick: bool) -> dict[str, Any]:
         bcast = row(
             f"broadcast {size >> 20} MiB, rank 0 to 3",
             4,
-            _slowest(pool.run(broadcast_job, size, reps)),
+            slowest(pool.run(broadcast_job, size, reps)),
         )
         sd = row(
             f"broadcast_state_dict {size >> 20} MiB in 400 tensors",
             4,
-            _slowest(pool.run(state_dict_job, size, 400, reps)),
+            slowest(pool.run(state_dict_job, size, 400, reps)),
         )
         pool.run(_close)
     rows[1]["vs_copy_bound"] = bcast / bound
     rows[2]["vs_broadcast"] = sd / bcast
     with RankPool(2, timeout=timedelta(seconds=600)) as pool:
         name = f"bench-shared2-{uuid.uuid4().hex[:6]}"
-        _picked(pool.run(_open, name))
+        picked(pool.run(_open, name))
         small = {
             w: row(
-                f"allreduce 8 B x1000, {w}", 2, _slowest(pool.run(allreduce_job, w, 8, 1000, reps))
+                f"allreduce 8 B x1000, {w}", 2, slowest(pool.run(allreduce_job, w, 8, 1000, reps))
             )
             for w in ("shared", "nccl")
         }
@@ -221,28 +231,50 @@ def measure(quick: bool) -> dict[str, Any]:
             w: row(
                 f"allreduce {size >> 20} MiB, {w}",
                 2,
-                _slowest(pool.run(allreduce_job, w, size, 1, reps)),
+                slowest(pool.run(allreduce_job, w, size, 1, reps)),
             )
             for w in ("shared", "nccl")
         }
         pool.run(_close)
-    goals = {
-        "broadcast <= 2x the copy bound": bcast <= 2 * bound,
-        "broadcast_state_dict <= 1.5x broadcast": sd <= 1.5 * bcast,
-        "8 B allreduce <= 25 us": small["shared"] <= 25e-6,
-        "8 B allreduce >= 10x NCCL over sockets": small["nccl"] >= 10 * small["shared"],
-        "large allreduce >= 20x NCCL over sockets": large["nccl"] >= 20 * large["shared"],
+    from benchmarks import multirank
+
+    points = multirank.sizes(size, (8, size))
+    multi = multirank.measure_multirank(int(info["cupy_nccl"]), points, reps)
+    per_call = multirank.measure_per_call(200 if quick else 2000)
+    socket_small, socket_large = small["nccl"] / small["shared"], large["nccl"] / large["shared"]
+    checks = [
+        ("broadcast <= 2x the copy bound", f"{bcast / bound:.2f}x", bcast <= 2 * bound),
+        ("broadcast_state_dict <= 1.5x broadcast", f"{sd / bcast:.2f}x", sd <= 1.5 * bcast),
+        ("8 B allreduce <= 25 us", f"{small['shared'] * 1e6:.1f} us", small["shared"] <= 25e-6),
+        ("8 B allreduce >= 10x NCCL over sockets", f"{socket_small:.1f}x", socket_small >= 10),
+        ("large allreduce >= 20x NCCL over sockets", f"{socket_large:.1f}x", socket_large >= 20),
+        multirank.per_call_goal(per_call),
+    ]
+    for impl in multirank.PER_CALL:
+        row(f"8 B allreduce host time per call, {impl}", 1, per_call[impl]["median_us"] / 1e6)
+    return {
+        "rows": rows,
+        "goals": {goal: met for goal, _, met in checks},
+        "measured": {goal: measured for goal, measured, _ in checks},
+        "size_bytes": size,
+        "multirank": multi,
+        "per_call": per_call,
     }
-    return {"rows": rows, "goals": goals, "size_bytes": size}
 
 
 def text(result: dict[str, Any], info: dict[str, str]) -> str:
-    """Return the results as a table."""
+    """Return the results as a table, then each goal with what was measured."""
+    from benchmarks import multirank
+
     lines = ["# ranks sharing one GPU: " + ", ".join(f"{k} {v}" for k, v in info.items())]
     lines.append(f"{'what':<48} {'ranks':>5} {'time (us)':>12}")
     lines += [f"{r['what']:<48} {r['world_size']:>5} {r['us']:>12.1f}" for r in result["rows"]]
+    if "multirank" in result:
+        lines += multirank.text(result["multirank"])
+    measured = result.get("measured", {})
     lines += [
-        f"goal: {goal}: {'met' if met else 'MISSED'}" for goal, met in result["goals"].items()
+        f"goal: {goal}: measured {measured.get(goal, '-')}: {'met' if met else 'MISSED'}"
+        for goal, met in result["goals"].items()
     ]
     return "\n".join(lines)
 
@@ -262,7 +294,7 @@ def main(argv: list[str]) -> int:
         return 0
     info = versions()
     try:
-        result = measure(args.quick)
+        result = measure(args.quick, info)
     except RankError as exc:
         print(f"# ranks sharing one GPU: failed: {exc}")
         return 1
@@ -275,7 +307,7 @@ def main(argv: list[str]) -> int:
         body = json.loads(args.json.read_text()) if args.json.exists() else {}
         body["shared_gpu"] = {"versions": info, **result}
         args.json.write_text(json.dumps(body, indent=2) + "\n")
-    return 0
+    return 1 if "failed" in result["multirank"] else 0
 
 
 if __name__ == "__main__":

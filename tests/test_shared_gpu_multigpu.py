@@ -221,7 +221,7 @@ def test_tensors_on_the_wrong_gpus_are_refused_before_anything_moves() -> None:
             call(g, "allreduce", (xs,), AllReduceOptions())
         assert g.lists is not None and not g.lists._sets  # nothing was built
         elsewhere = on(1, _data(rank, 10))  # one tensor, on a GPU the group does not run on
-        with pytest.raises(ArgumentValueError, match="tensor is on cuda:1, but group .* cuda:0"):
+        with pytest.raises(ArgumentValueError, match=r"tensor is on cuda:1, but group .* cuda:0"):
             call(g, "allreduce", ([elsewhere],), AllReduceOptions())
         with pytest.raises(ArgumentValueError, match=r"tensor_list\[0\] is on cuda:1"):
             call(

@@ -138,7 +138,7 @@ if runs bench; then
 
     # Ranks that share one GPU: the shared-GPU transport beside the copy bound and NCCL over
     # sockets; its table is appended to bench.txt and its results merged into bench.json.
-    timeout -k 10 "${SHARED_BENCH_TIMEOUT_S:-240}" "$PYTHON" -m benchmarks.nccl --shared-gpu \
+    timeout -k 10 "${SHARED_BENCH_TIMEOUT_S:-360}" "$PYTHON" -m benchmarks.nccl --shared-gpu \
         --json "$OUT/bench.json" --text "$OUT/bench.txt" >>"$OUT/bench.log" 2>&1
     shared_rc=$?
     [ "$shared_rc" -eq 0 ] || { echo "shared-GPU benchmark: exit $shared_rc (see bench.log)"; bench_rc=$shared_rc; }

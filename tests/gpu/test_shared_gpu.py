@@ -41,6 +41,8 @@ def open_shared(context: Any, name: str) -> str:
         import torch
 
         torch.cuda.set_device(0)
+    # the shared-GPU transport alone: test_gpu_routed.py runs the routes to NCCL's mode
+    os.environ["COLLECTIVE_GPU_ROUTES"] = "off"
     group = connect_gpu_group(
         context.world_size, context.rank, name, context.store, cases.GROUP_TIMEOUT
     )

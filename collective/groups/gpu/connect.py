@@ -29,11 +29,11 @@ from collective.groups import topology
 from collective.groups.base import BaseGroup
 from collective.groups.gpu.hierarchy import GpuHierarchyGroup
 from collective.groups.gpu.multigpu import Gpus, SeveralGpus
+from collective.groups.gpu.routed import shared_gpu_group
 from collective.groups.gpu.stages import DEVICE_ARRAYS, Arrays, MakeStages, Stages
 from collective.groups.nccl.comm import cupy_module
 from collective.groups.nccl.group import NCCLGroup
 from collective.groups.shared_gpu.device import CudaDevice, Device
-from collective.groups.shared_gpu.group import SharedGpuGroup
 from collective.groups.shared_gpu.running import Buffers, SharedGpuRunning
 from collective.rendezvous.store import RendezvousStore
 from collective.types import DEFAULT_TIMEOUT, CollectiveError, CollectiveTimeoutError, GroupOptions
@@ -173,7 +173,7 @@ def connect_gpu_group(
         """Build a group of ``size`` ranks that share GPUs: rank ``index``, on ``on``."""
         common = (size, index, name, scoped, timeout, host, options)
         if choose(places) == "shared_gpu":
-            return SharedGpuGroup(*common, device=on, **shared)
+            return shared_gpu_group(*common, make_stages=stages, arrays=arrays, device=on, **shared)
         return GpuHierarchyGroup(
             *common, places=places, make_stages=stages, arrays=arrays, device=on, **shared
         )

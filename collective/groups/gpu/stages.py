@@ -47,6 +47,7 @@ class Stages(Protocol):
     def skip_agreement(self) -> None: ...  # noqa: D102
     def abort(self, reason: str) -> None: ...  # noqa: D102
     def destroy_group(self) -> None: ...  # noqa: D102
+    def retire(self, reason: str) -> None: ...  # noqa: D102
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work: ...  # noqa: D102
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work: ...  # noqa: D102
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work: ...  # noqa: D102
