@@ -142,6 +142,10 @@ if runs bench; then
         --json "$OUT/bench.json" --text "$OUT/bench.txt" >>"$OUT/bench.log" 2>&1
     shared_rc=$?
     [ "$shared_rc" -eq 0 ] || { echo "shared-GPU benchmark: exit $shared_rc (see bench.log)"; bench_rc=$shared_rc; }
+    # Where NCCL 2.30+ was measured beside it: the routes table to review and commit as
+    # collective/groups/gpu/multirank_routes.json (the command says why where it cannot).
+    "$PYTHON" -m benchmarks.multirank_routes --from "$OUT/bench.json" \
+        --to "$OUT/multirank_routes.json" >>"$OUT/bench.log" 2>&1 || true
 
     # The NCCL mismatch check's cost at world size 2 (a group of one skips it): on the op's
     # stream, beside it (which relies on NCCL_LAUNCH_ORDER_IMPLICIT=1) and off, in one run.
