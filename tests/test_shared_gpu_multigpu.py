@@ -12,6 +12,7 @@ on each stood-in GPU and Gloo on host memory standing in for NCCL among GPUs
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,6 +25,7 @@ from collective.frameworks.cuda_buffers import CudaBuffer
 from collective.groups.gpu.connect import connect_gpu_group
 from collective.groups.gpu.multigpu import Gpus, SeveralGpus
 from collective.groups.launches import Prepared
+from collective.groups.shared_gpu import transport
 from collective.groups.shared_gpu.running import Buffers, SharedGpuRunning
 from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
@@ -198,19 +200,27 @@ def test_every_list_op_writes_what_nccl_writes_on_every_rank(ordinals: list[list
         np.testing.assert_array_equal(got["one"], np.sum([_data(r, count) for r in range(ws)], 0))
 
 
-def test_lists_leave_nothing_once_the_group_is_destroyed() -> None:
-    gpus = [HostGpu(f"gpu-{i}") for i in range(2)]
+def test_lists_leave_nothing_once_the_group_is_destroyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank numbers the GPUs apart: destroying its groups one at a time, each rank
+    would wait for the other to unmap the slots of a GPU the other reaches last (up to
+    the close wait, made longer than the group's timeout here)."""
+    monkeypatch.setattr(transport, "CLOSE_WAIT_S", 60.0)
+    gpus = [HostGpu(f"gpu-{i}") for i in range(3)]
     before = _our_files()
 
-    def fn(g: SharedGpuRunning, rank: int) -> None:
+    def fn(g: SharedGpuRunning, rank: int) -> float:
         for _ in range(3):  # the groups of a set of devices are built once
-            xs = [on(i, _data(rank, 100)) for i in range(2)]
+            xs = [on(i, _data(rank, 100)) for i in range(3)]
             call(g, "allreduce", (xs,), AllReduceOptions())
         assert g.lists is not None and len(g.lists._sets) == 1
+        start = time.monotonic()
+        g.lists.destroy()
+        return time.monotonic() - start
 
-    run_ranks([[0, 1], [0, 1]], fn, gpus)
-    assert [gpu.live() for gpu in gpus] == [(0, 0), (0, 0)]
-    assert [gpu.misuse for gpu in gpus] == [[], []]
+    took = run_ranks([[0, 1, 2], [0, 2, 1]], fn, gpus)
+    assert max(took) < TIMEOUT.total_seconds() / 2, took
+    assert [gpu.live() for gpu in gpus] == [(0, 0)] * 3
+    assert [gpu.misuse for gpu in gpus] == [[]] * 3
     assert _our_files() == before
 
 

@@ -305,11 +305,23 @@ class SeveralGpus:
                 g.abort(reason)
 
     def destroy(self) -> None:
-        """Destroy every group built here."""
+        """Destroy every group built here, each from a thread of its own, all at once.
+
+        A GPU's group frees its memory once the other ranks on that GPU have unmapped
+        it, and another rank may be destroying its group of another GPU first: one at a
+        time, the ranks would wait for each other.
+        """
         sets, self._sets = list(self._sets.values()), {}
-        for found in sets:
-            for g in found.groups():
-                g.destroy_group()
+        groups = [g for found in sets for g in found.groups()]
+        threads = [
+            threading.Thread(target=g.destroy_group, name=f"collective-destroy-{i}", daemon=True)
+            for i, g in enumerate(groups)
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self._group.timeout.total_seconds() + _BUILD_MARGIN_S
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 def _split(op: str, args: tuple[Any, ...], n: int) -> list[tuple[Any, ...]]:
