@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from collective.checks.check_args import CheckedGroup
 from collective.frameworks.cuda_buffers import CudaBuffer
 from collective.groups.gpu.connect import connect_gpu_group
 from collective.groups.gpu.multigpu import Gpus, SeveralGpus
@@ -325,3 +326,25 @@ def test_tensors_each_on_a_gpu_of_its_own_run_as_one_nccl_group() -> None:
     got = run_ranks([[0, 1, 2], [0, 3, 4]], fn)
     assert got == [[("allreduce", 2), ("allreduce", 2)]] * 2
     assert all(whole.calls[-2:] == [("aborted", 0), ("destroyed", 0)] for whole in wholes)
+
+
+def test_a_check_args_group_runs_the_lists_and_refuses_a_mismatch_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The check's control messages stay in host memory, which the stand-in GPU moves.
+    monkeypatch.setattr(CheckedGroup, "_mover", lambda self, like: None)
+
+    def fn(g: SharedGpuRunning, rank: int) -> tuple[list[np.ndarray], str]:
+        checked = CheckedGroup(g)
+        xs = [on(i, _data(rank * 2 + i, 300)) for i in range(2)]
+        call(checked, "allreduce", (xs,), AllReduceOptions(ReduceOp.SUM))
+        ys = [on(i, _data(rank, 300 + 100 * rank)) for i in range(2)]  # sizes differ
+        with pytest.raises(ArgumentValueError) as caught:
+            call(checked, "allreduce", (ys,), AllReduceOptions(ReduceOp.SUM))
+        return xs, str(caught.value)
+
+    total = np.sum([_data(v, 300) for v in range(4)], 0)
+    for xs, error in run_ranks([[0, 1], [0, 1]], fn):
+        for x in xs:
+            np.testing.assert_array_equal(x, total)
+        assert "rank 1" in error

@@ -158,10 +158,22 @@ class CheckedGroup(BaseGroup):
         slots = signature.of_call(op, self.world_size, x, root, reduce_op, count)
         self._agree(op, slots, timeout, like=x)
 
+    def _run_inner(self, op: str, args: tuple[Any, ...], options: Any) -> Work:
+        """Run ``op(*args, options)`` on the inner group, once this group has checked it.
+
+        A call that the inner group runs its own way (one tensor per GPU, on ranks that
+        share GPUs: its ``lists``) goes through the inner group's prepared run.
+        """
+        lists = getattr(self._inner, "lists", None)
+        if lists is not None and lists.takes(op, args):
+            run, _ = self._inner.prepare(op, args, options)
+            return run(lambda: args)
+        return getattr(self._inner, op)(*args, options)
+
     def allreduce(self, tensors: Sequence[Any], options: AllReduceOptions) -> Work:
         """Check, then reduce into every rank's tensor in place."""
         self._tensor_op("allreduce", tensors[0], options.timeout, reduce_op=options.reduce_op)
-        return self._inner.allreduce(tensors, options)
+        return self._run_inner("allreduce", (tensors,), options)
 
     def barrier(self, options: BarrierOptions) -> Work:
         """Check, then block until every rank has entered the barrier."""
@@ -171,12 +183,12 @@ class CheckedGroup(BaseGroup):
     def reduce(self, tensors: Sequence[Any], options: ReduceOptions) -> Work:
         """Check, then reduce onto the root's tensor in place."""
         self._tensor_op("reduce", tensors[0], options.timeout, options.root_rank, options.reduce_op)
-        return self._inner.reduce(tensors, options)
+        return self._run_inner("reduce", (tensors,), options)
 
     def broadcast(self, tensors: Sequence[Any], options: BroadcastOptions) -> Work:
         """Check, then copy the root's tensor into every other rank's, in place."""
         self._tensor_op("broadcast", tensors[0], options.timeout, options.root_rank)
-        return self._inner.broadcast(tensors, options)
+        return self._run_inner("broadcast", (tensors,), options)
 
     def allgather(
         self,
@@ -187,7 +199,7 @@ class CheckedGroup(BaseGroup):
         """Check, then write rank i's tensor into element i of every rank's list."""
         count = len(tensor_lists[0])
         self._tensor_op("allgather", tensors[0], options.timeout, count=count)
-        return self._inner.allgather(tensor_lists, tensors, options)
+        return self._run_inner("allgather", (tensor_lists, tensors), options)
 
     def reducescatter(
         self,
@@ -200,7 +212,7 @@ class CheckedGroup(BaseGroup):
         self._tensor_op(
             "reducescatter", tensors[0], options.timeout, reduce_op=options.reduce_op, count=count
         )
-        return self._inner.reducescatter(tensors, tensor_lists, options)
+        return self._run_inner("reducescatter", (tensors, tensor_lists), options)
 
     def gather(
         self,
