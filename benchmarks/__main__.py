@@ -3,7 +3,7 @@
 Usage: python -m benchmarks [--quick] [--sizes 8,4K,1M] [--ops allreduce,allgather]
        [--world-sizes 2,4] [--impls collective,collective_gloo,torch_gloo,...]
        [--iters N] [--warmup N] [--batch N] [--probe-ops N] [--json PATH] [--plot PATH]
-       [--markdown PATH]
+       [--markdown PATH] [--address ADDRESS]
 
 Before its ops it measures the machine's memory bandwidth (``benchmarks.membw``, about
 a second), which its JSON records and its bus-bandwidth figures draw as a bound.
@@ -30,6 +30,7 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 PROBE_SIZE = 8
 PROBED = (OURS, OURS_GLOO, TORCH, RAY, COPY)
 """The implementations the 8-byte allreduce latency probe runs."""
+ADDRESS_HELP = "join the running Ray cluster at this address (default: start one of 2 CPUs)"
 
 
 def parse_size(text: str) -> int:
@@ -63,6 +64,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="write a results page")
+    parser.add_argument("--address", default=None, help=ADDRESS_HELP)
     args = parser.parse_args(argv)
     try:
         args.sizes = [
@@ -101,6 +103,17 @@ def rounds(samples: int, warmup: int) -> list[tuple[int, int]]:
     """
     n = min(samples, workloads.ROUNDS)
     return [(samples // n + (r < samples % n), warmup if r == 0 else 1) for r in range(n)]
+
+
+def init_ray(address: str | None, **job: Any) -> None:
+    """Connect to the Ray cluster at ``address``, or start a private one of 2 CPUs (None).
+
+    ``job`` goes to ``ray.init``: what a job may choose, such as its namespace.
+    """
+    if address is None:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, **job)
+    else:
+        ray.init(address=address, **job)
 
 
 def make(impl: str) -> Any:
@@ -230,13 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         f"python -m benchmarks.membw --processes {','.join(map(str, counts))}",
         "in this run (python -m benchmarks), before its ops",
     )
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        namespace="collective-bench",
-        log_to_driver=False,
-    )
+    init_ray(args.address, namespace="collective-bench", log_to_driver=False)
     try:
         records, probes, unavailable = run(args)
     finally:

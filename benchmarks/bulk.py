@@ -3,7 +3,7 @@
 Usage: python -m benchmarks.bulk [--quick] [--world-size 4] [--nodes 1,2]
        [--workloads uniform:2000x32K,transformer:1G,gradients:256M]
        [--impls collective,collective_loop,...] [--iters N] [--warmup N] [--rounds N]
-       [--json PATH] [--plot PATH] [--markdown PATH]
+       [--json PATH] [--plot PATH] [--markdown PATH] [--address ADDRESS]
 
 A workload is ``uniform:COUNTxSIZE`` (COUNT float32 tensors of SIZE bytes), or
 ``transformer:TOTAL[:COUNT]`` / ``gradients:TOTAL[:COUNT]`` (a transformer-like state
@@ -14,6 +14,10 @@ object store (put on the source, get and copy into the tensors on each receiver;
 only) and the plain-copy peer: the same bytes copied through shared memory (one node
 only). With two nodes the ranks are split evenly between two nodes of a
 ``ray.cluster_utils.Cluster`` on this machine.
+
+torch (``bulk_workloads``, ``bulk_peers``) is imported inside the functions that use it:
+the plain-copy peer's processes are spawned, and each imports this module again as
+its main module, which then costs them no torch.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from benchmarks import bulk_workloads as bw
 from benchmarks import plots, processes, workloads
-from benchmarks.__main__ import parse_size
-from benchmarks.bulk_peers import COPY, IMPLS, LOOP, OURS, RAY, STORE, Ranks
+from benchmarks.__main__ import ADDRESS_HELP, init_ray, parse_size
+from benchmarks.report import COPY, LOOP, OURS, RAY, STORE
+
+if TYPE_CHECKING:
+    from benchmarks import bulk_workloads as bw
 
 DEFAULT_WORKLOADS = "uniform:2000x32K,transformer:1G,gradients:256M"
 QUICK_WORKLOADS = "uniform:64x4K,transformer:4M:40,gradients:2M:40"
@@ -60,6 +66,8 @@ GOALS = [
 
 def parse_workload(text: str) -> bw.Workload:
     """Return the workload that ``text`` names (see the module docstring)."""
+    from benchmarks import bulk_workloads as bw
+
     kind, _, rest = text.partition(":")
     try:
         if kind == "uniform":
@@ -77,6 +85,8 @@ def parse_workload(text: str) -> bw.Workload:
 
 def arguments(argv: list[str]) -> argparse.Namespace:
     """Parse the command line."""
+    from benchmarks.bulk_peers import IMPLS
+
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bulk", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny workloads, 2 ranks, 2 iters")
     parser.add_argument("--world-size", type=int, default=None, help="ranks (default 4)")
@@ -89,6 +99,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--address", default=None, help=ADDRESS_HELP + "; one node only")
     args = parser.parse_args(argv)
     try:
         text = args.workloads or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
@@ -102,6 +113,8 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     args.nodes = [int(n) for n in args.nodes.split(",") if n]
     if not set(args.nodes) <= {1, 2}:
         parser.error(f"nodes must be 1 or 2, got {args.nodes}")
+    if args.address is not None and args.nodes != [1]:
+        parser.error(f"--address runs on one node: pass --nodes 1, got {args.nodes}")
     args.world_size = args.world_size or (2 if args.quick else 4)
     args.iters = args.iters or (2 if args.quick else 3)
     args.warmup = args.warmup if args.warmup is not None else 1
@@ -130,6 +143,8 @@ def plain_copies(work: bw.Workload, world_size: int, samples: int) -> tuple[list
 
 def measure(args: argparse.Namespace, nodes: int, with_ray: bool) -> list[dict[str, Any]]:
     """Run every workload on ``nodes`` nodes; return one record per workload and row."""
+    from benchmarks.bulk_peers import Ranks
+
     n = args.world_size
     place = None if nodes == 1 else [{f"node{r * 2 // n}": 1} for r in range(n)]
     ranks = Ranks(n, with_ray, place)
@@ -240,10 +255,13 @@ def goals_text(
     return "\n".join(lines)
 
 
-def start_ray(nodes: int) -> Any:
-    """Start a private Ray cluster of ``nodes`` nodes on this machine; return it, or None."""
+def start_ray(nodes: int, address: str | None = None) -> Any:
+    """Start a private Ray cluster of ``nodes`` nodes on this machine; return it, or None.
+
+    With ``address`` (one node only), join the cluster that runs there instead.
+    """
     if nodes == 1:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        init_ray(address, log_to_driver=False)
         return None
     from ray.cluster_utils import Cluster
 
@@ -257,9 +275,14 @@ def start_ray(nodes: int) -> Any:
     return cluster
 
 
-def on_cluster(nodes: int, run: Callable[[int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Call ``run(nodes)`` on a private cluster of ``nodes`` nodes; stop the cluster after."""
-    cluster = start_ray(nodes)
+def on_cluster(
+    nodes: int, run: Callable[[int], list[dict[str, Any]]], address: str | None = None
+) -> list[dict[str, Any]]:
+    """Call ``run(nodes)`` on a private cluster of ``nodes`` nodes; stop the cluster after.
+
+    With ``address`` (one node only), on the cluster that runs there, which is left running.
+    """
+    cluster = start_ray(nodes, address)
     try:
         return run(nodes)
     finally:
@@ -291,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if RAY in args.impls and missing:
         args.impls.remove(RAY)
     for nodes in args.nodes:
-        records += on_cluster(nodes, partial(measure, args, with_ray=with_ray))
+        records += on_cluster(nodes, partial(measure, args, with_ray=with_ray), args.address)
     goals = evaluate(records)
     text = table(records) + "\n\n" + goals_text(goals)
     print(text)

@@ -1,7 +1,7 @@
 """Benchmark recovering a group after a member dies, and growing it back, side by side.
 
 Usage: python -m benchmarks.elastic [--quick] [--nodes 1,2] [--rounds N]
-       [--json PATH] [--markdown PATH]
+       [--json PATH] [--markdown PATH] [--address ADDRESS]
 
 Four ranks of a gloo group in Ray actors (shared memory on one node; with two nodes,
 two ranks on each node of a ``ray.cluster_utils.Cluster`` on this machine) allreduce
@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.__main__ import ADDRESS_HELP
 from benchmarks.bulk import goals_text, machine, on_cluster, page
 from benchmarks.elastic_ranks import FRESH, GROW, REINIT, SHRINK, Round
 
@@ -45,6 +46,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--address", default=None, help=ADDRESS_HELP + "; one node only")
     args = parser.parse_args(argv)
     try:
         args.nodes = [int(n) for n in args.nodes.split(",") if n]
@@ -52,6 +54,8 @@ def arguments(argv: list[str]) -> argparse.Namespace:
         args.nodes = []
     if not args.nodes or not set(args.nodes) <= {1, 2}:
         parser.error(f"nodes must be 1 or 2, got {args.nodes}")
+    if args.address is not None and args.nodes != [1]:
+        parser.error(f"--address runs on one node: pass --nodes 1, got {args.nodes}")
     args.rounds = args.rounds or (1 if args.quick else 5)
     if args.rounds < 1:
         parser.error(f"rounds must be at least 1, got {args.rounds}")
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(given)
     started, records = time.monotonic(), []
     for nodes in args.nodes:
-        records += on_cluster(nodes, partial(measure, args))
+        records += on_cluster(nodes, partial(measure, args), args.address)
     goals = evaluate(records)
     text = table(records) + "\n\n" + goals_text(goals, "# goals")
     print(text)

@@ -2,7 +2,7 @@
 
 Usage: python -m benchmarks.rdt [--quick] [--rounds N] [--runs N] [--consumers 1,3] [--full]
        [--impls collective_shm,collective,gloo,object_store] [--gloo-timeout SECONDS]
-       [--devices cpu,cuda] [--json PATH]
+       [--devices cpu,cuda] [--json PATH] [--address ADDRESS]
 
 One node: a trainer keeps the tensors of a workload, and each round its method
 returns them to 1 or 3 rollout actors, which check them. A row's time runs from the
@@ -44,6 +44,7 @@ import ray
 import torch
 
 import collective as col
+from benchmarks.__main__ import ADDRESS_HELP, init_ray
 from collective.ray_plugins.hook import runtime_env
 
 IMPLS = ("collective_shm", "collective", "gloo", "object_store")
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gloo-timeout", type=float, default=60.0)
     parser.add_argument("--devices", default="cpu,cuda", help="the rows to run: cpu, cuda")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--address", default=None, help=ADDRESS_HELP)
     args = parser.parse_args(argv)
     impls = args.impls.split(",")
     if unknown := set(impls) - set(IMPLS) - set(CUDA_IMPLS):
@@ -250,13 +252,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"consumers must be at least 1, got {consumers[0]}")
     workloads, rounds = (QUICK, 1) if args.quick else (WORKLOADS, args.rounds)
     cuda_workloads = QUICK if args.quick else CUDA_WORKLOADS
-    ray.init(
-        address="local",
-        num_cpus=2,
-        namespace="benchmarks-rdt",
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env=runtime_env(),
+    init_ray(
+        args.address, namespace="benchmarks-rdt", log_to_driver=False, runtime_env=runtime_env()
     )
     results: list[dict[str, Any]] = []
     cuda: dict[str, Any] = {}

@@ -3,6 +3,8 @@
 The modules that use ``ray_cluster`` share one local Ray cluster, started once in a
 child process; each such module connects to it as a Ray job of its own, and at its end
 kills what it left and disconnects, so that the next module finds the cluster as new.
+Programs that such a module runs may join the cluster too (``SharedCluster.address``),
+each as a job of its own. ``Programs`` runs a module's long programs in the background.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
 import numpy as np
@@ -336,3 +339,48 @@ def no_leaks(ray_cluster: None) -> Iterator[None]:
     """Assert that a test leaves no group alive behind it, in any namespace."""
     yield
     assert live_groups() == []
+
+
+class Programs:
+    """Programs run as child processes, ``width`` at a time in the order started; each test
+    waits for its own.
+
+    A module whose tests each check what a long program did (an example, a benchmark's
+    smoke run) starts them all at its start, so that they run while its other tests do,
+    and, with a ``width`` of 2, one program's waits (for its processes to start, its
+    cluster to answer) overlap another's work.
+    """
+
+    def __init__(self, width: int) -> None:
+        """Run at most ``width`` programs at once."""
+        self._pool = ThreadPoolExecutor(width, thread_name_prefix="program")
+        self._runs: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
+
+    def start(self, key: str, command: Sequence[str], timeout_s: float, **popen: Any) -> None:
+        """Queue ``command``, known as ``key``; ``popen`` goes to ``subprocess.run`` with it.
+
+        It runs with its output captured as text; past ``timeout_s`` it is killed, and
+        ``result`` raises ``subprocess.TimeoutExpired``.
+        """
+
+        def run() -> subprocess.CompletedProcess[str]:
+            argv = list(command)
+            return subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout_s, check=False, **popen
+            )
+
+        self._runs[key] = self._pool.submit(run)
+
+    def result(self, key: str) -> subprocess.CompletedProcess[str]:
+        """Wait for program ``key`` to end; return how it ended."""
+        return self._runs[key].result()
+
+    def close(self) -> None:
+        """Drop the programs that have not started; wait for the others to end."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def selected(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """Return the tests of the requesting module that this session runs, in their order."""
+    module = request.node.getparent(pytest.Module)
+    return [item for item in request.session.items if item.getparent(pytest.Module) is module]

@@ -3,6 +3,11 @@
 This checks the shape of the output, that every implementation computed the right
 result, and that the goals and the latency probe are reported, never the speed. The
 workloads' expected results are checked against a numpy simulation of each op.
+
+The smoke runs (each CLI run once, as a user runs it) all start with the module, and run
+one after another while its other tests run (``smoke_runs``); those that use Ray join
+the session's Ray cluster, each as a job of its own, and ``ray_cluster`` checks after
+the module that they left nothing in it.
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +25,7 @@ import numpy as np
 import pytest
 
 from benchmarks import workloads
+from tests.conftest import Programs, SharedCluster, selected
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = set(workloads.OPS)
@@ -34,15 +43,90 @@ def _impls(op: str) -> set[str]:
     )
 
 
-def test_quick_benchmark_writes_table_goals_json_and_plot(tmp_path: Path) -> None:
-    out_json, out_png = tmp_path / "results.json", tmp_path / "busbw.png"
+def _quick(out: Path, address: str) -> list[str]:
     command = [sys.executable, "-m", "benchmarks", "--quick", "--sizes", "8,64K"]
     command += ["--iters", "2", "--warmup", "0", "--batch", "2", "--probe-ops", "20"]
-    out_md = tmp_path / "results.md"
-    command += ["--json", str(out_json), "--plot", str(out_png), "--markdown", str(out_md)]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
-    )
+    command += ["--json", str(out / "results.json"), "--plot", str(out / "busbw.png")]
+    return [*command, "--markdown", str(out / "results.md"), "--address", address]
+
+
+def _bulk(out: Path, address: str) -> list[str]:
+    command = [sys.executable, "-m", "benchmarks.bulk", "--quick", "--nodes", "1"]
+    command += ["--workloads", "uniform:12x1K,transformer:256K:20,gradients:128K:20"]
+    command += ["--json", str(out / "bulk.json"), "--plot", str(out / "bulk.png")]
+    return [*command, "--markdown", str(out / "bulk.md"), "--address", address]
+
+
+def _elastic(out: Path, address: str) -> list[str]:
+    command = [sys.executable, "-m", "benchmarks.elastic", "--quick", "--nodes", "1"]
+    command += ["--json", str(out / "elastic.json"), "--markdown", str(out / "elastic.md")]
+    return [*command, "--address", address]
+
+
+def _rdt(out: Path, address: str) -> list[str]:
+    # Two consumers, not the default three: a group of three, and every row with more
+    # than one consumer, at one actor less per set of rows.
+    command = [sys.executable, "-m", "benchmarks.rdt", "--quick", "--consumers", "1,2"]
+    return [*command, "--json", str(out / "rdt.json"), "--address", address]
+
+
+def _host_path(out: Path, address: str) -> list[str]:
+    command = [sys.executable, "-m", "benchmarks.host_path", "--iters", "50"]
+    return [*command, "--cpu-iters", "20", "--json", str(out / "host_path.json")]
+
+
+SMOKE_RUNS: dict[str, tuple[Callable[[Path, str], list[str]], float]] = {
+    "test_quick_benchmark_writes_table_goals_json_and_plot": (_quick, 400),
+    "test_bulk_benchmark_runs_every_row_on_tiny_workloads": (_bulk, 400),
+    "test_elastic_benchmark_runs_every_row_in_quick_mode": (_elastic, 300),
+    "test_rdt_benchmark_runs_every_row_on_tiny_workloads": (_rdt, 400),
+    "test_host_path_benchmark_writes_a_row_per_path": (_host_path, 300),
+}
+"""By the test that checks it: each smoke run's command, given the folder it writes into
+and the Ray cluster's address, and its timeout in seconds."""
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    """A smoke run: the folder it writes into, and ``done``, which waits for its end."""
+
+    folder: Path
+    done: Callable[[], subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(
+    request: pytest.FixtureRequest,
+    ray_cluster: None,
+    shared_cluster: SharedCluster,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, SmokeRun]]:
+    """Start the smoke runs of the tests this session runs, one at a time in their order.
+
+    They run while the module's other tests do. One at a time: each keeps two cores busy
+    already, and on two cores this module took 84 s with two at once, 71 s with one.
+    """
+    programs, runs = Programs(1), {}
+    for item in selected(request):
+        if item.name in SMOKE_RUNS:
+            command, timeout_s = SMOKE_RUNS[item.name]
+            folder = tmp_path_factory.mktemp("smoke")
+            programs.start(item.name, command(folder, shared_cluster.address), timeout_s, cwd=ROOT)
+            runs[item.name] = SmokeRun(folder, partial(programs.result, item.name))
+    yield runs
+    programs.close()
+
+
+@pytest.fixture
+def smoke(request: pytest.FixtureRequest, smoke_runs: dict[str, SmokeRun]) -> SmokeRun:
+    """Return the smoke run that this test checks."""
+    return smoke_runs[request.node.name]
+
+
+def test_quick_benchmark_writes_table_goals_json_and_plot(smoke: SmokeRun) -> None:
+    out_json, out_png = smoke.folder / "results.json", smoke.folder / "busbw.png"
+    out_md = smoke.folder / "results.md"
+    done = smoke.done()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for op in OPS:
         assert f"# {op}, world size 2" in done.stdout
@@ -193,14 +277,10 @@ def test_only_a_checking_plan_counts_wrong_results() -> None:
 BULK_ROWS = {"collective", "collective_loop", "ray_collective", "object_store", "shm_copy"}
 
 
-def test_bulk_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
-    out_json, out_png, out_md = tmp_path / "bulk.json", tmp_path / "bulk.png", tmp_path / "bulk.md"
-    command = [sys.executable, "-m", "benchmarks.bulk", "--quick", "--nodes", "1"]
-    command += ["--workloads", "uniform:12x1K,transformer:256K:20,gradients:128K:20"]
-    command += ["--json", str(out_json), "--plot", str(out_png), "--markdown", str(out_md)]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
-    )
+def test_bulk_benchmark_runs_every_row_on_tiny_workloads(smoke: SmokeRun) -> None:
+    out_json, out_png = smoke.folder / "bulk.json", smoke.folder / "bulk.png"
+    out_md = smoke.folder / "bulk.md"
+    done = smoke.done()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(out_json.read_text())
     missing = set(data["meta"]["unavailable"])
@@ -258,13 +338,9 @@ def test_gloo_agreement_benchmark_times_every_op_with_and_without_the_check(
     assert all(r["median_us"] > 0 for r in run["results"])
 
 
-def test_elastic_benchmark_runs_every_row_in_quick_mode(tmp_path: Path) -> None:
-    out_json, out_md = tmp_path / "elastic.json", tmp_path / "elastic.md"
-    command = [sys.executable, "-m", "benchmarks.elastic", "--quick", "--nodes", "1"]
-    command += ["--json", str(out_json), "--markdown", str(out_md)]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
-    )
+def test_elastic_benchmark_runs_every_row_in_quick_mode(smoke: SmokeRun) -> None:
+    out_json, out_md = smoke.folder / "elastic.json", smoke.folder / "elastic.md"
+    done = smoke.done()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(out_json.read_text())
     results = data["results"]
@@ -290,7 +366,11 @@ def test_elastic_benchmark_runs_every_row_in_quick_mode(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--nodes", "3"], "nodes must be 1 or 2"), (["--rounds", "-1"], "rounds must be")],
+    [
+        (["--nodes", "3"], "nodes must be 1 or 2"),
+        (["--rounds", "-1"], "rounds must be"),
+        (["--address", "127.0.0.1:1"], "--address runs on one node: pass --nodes 1"),
+    ],
 )
 def test_elastic_benchmark_rejects_bad_arguments(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
@@ -302,6 +382,18 @@ def test_elastic_benchmark_rejects_bad_arguments(
         main(flags)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bulk_benchmark_joins_a_running_cluster_on_one_node_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--address`` with the default nodes (1,2) exits with status 2 before anything starts."""
+    from benchmarks.bulk import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--address", "127.0.0.1:1"])
+    assert exit_.value.code == 2
+    assert "--address runs on one node: pass --nodes 1" in capsys.readouterr().err
 
 
 def test_membw_reports_each_process_count_and_records_it_in_a_results_file(
@@ -442,15 +534,9 @@ def test_figures_hold_at_most_four_panels(world_sizes: list[int], per_figure: in
         plots.panels_figure(Path("unused.png"), [("x", [])] * 5, lambda r: 0.0, "y")
 
 
-def test_rdt_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
-    out_json = tmp_path / "rdt.json"
-    # Two consumers, not the default three: a group of three, and every row with more
-    # than one consumer, at one actor less per set of rows.
-    command = [sys.executable, "-m", "benchmarks.rdt", "--quick", "--consumers", "1,2"]
-    command += ["--json", str(out_json)]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False
-    )
+def test_rdt_benchmark_runs_every_row_on_tiny_workloads(smoke: SmokeRun) -> None:
+    out_json = smoke.folder / "rdt.json"
+    done = smoke.done()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads(out_json.read_text())
     rows = {(r["workload"], r["impl"], r["consumers"]): r for r in data["results"]}
@@ -467,14 +553,10 @@ def test_rdt_benchmark_runs_every_row_on_tiny_workloads(tmp_path: Path) -> None:
 NCCL_MODES = ("blocking", "async", "allgather", "reducescatter")
 
 
-def test_host_path_benchmark_writes_a_row_per_path(tmp_path: Path) -> None:
+def test_host_path_benchmark_writes_a_row_per_path(smoke: SmokeRun) -> None:
     """``benchmarks.host_path`` runs every path and writes its rows; the speed is not checked."""
-    out = tmp_path / "host_path.json"
-    command = [sys.executable, "-m", "benchmarks.host_path", "--iters", "50"]
-    command += ["--cpu-iters", "20", "--json", str(out)]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
-    )
+    out = smoke.folder / "host_path.json"
+    done = smoke.done()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = json.loads(out.read_text())
     paths = [row["path"] for row in rows]

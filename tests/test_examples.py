@@ -3,20 +3,27 @@
 An example that cannot run on this machine (no GPU) prints ``skipped: <reason>`` as its
 first line and exits with status 0; its test is then skipped with that reason. Such an
 example is a GPU example: a line of its docstring starts with ``GPU_MARKER``, and
-``tests/gpu/run.sh`` runs every example so marked on a GPU machine.
+``tests/gpu/run.sh`` runs every example so marked on a GPU machine. The examples that
+the session tests all start with the module, two at a time (``runs``), each
+starting its own Ray cluster as it does for a user.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import Programs, selected
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 RUN_TIMEOUT_S = 300
+AT_ONCE = 2
+"""Examples run at once: each waits often enough (for its cluster and actors to start)
+that two at a time finish sooner on two cores than one at a time."""
 RUN_ELSEWHERE = {
     "quickstart.py": "tests/test_docs.py::test_quickstart_runs_as_written",
     "elastic_sgd.py": "tests/test_elastic_example.py",
@@ -61,15 +68,21 @@ def gpu_examples() -> list[str]:
     )
 
 
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> Iterator[Programs]:
+    """Start every example that this session tests, two at a time in the tests' order."""
+    programs = Programs(AT_ONCE)
+    for item in selected(request):
+        if isinstance(item, pytest.Function) and item.originalname == RUNS_AN_EXAMPLE:
+            name = str(item.callspec.params["name"])
+            programs.start(name, [sys.executable, str(EXAMPLES / name)], RUN_TIMEOUT_S, cwd=ROOT)
+    yield programs
+    programs.close()
+
+
 @pytest.mark.parametrize("name", examples())
-def test_example_runs_and_passes_its_checks(name: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        cwd=ROOT,
-    )
+def test_example_runs_and_passes_its_checks(name: str, runs: Programs) -> None:
+    result = runs.result(name)
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output
     if result.stdout.startswith("skipped: "):
@@ -77,6 +90,9 @@ def test_example_runs_and_passes_its_checks(name: str) -> None:
         pytest.skip(f"{name}: {result.stdout.splitlines()[0].removeprefix('skipped: ')}")
     for line in MUST_PRINT.get(name, []):
         assert line in result.stdout, output
+
+
+RUNS_AN_EXAMPLE = test_example_runs_and_passes_its_checks.__name__
 
 
 def test_every_example_is_a_whole_program_shown_in_the_docs() -> None:
