@@ -26,9 +26,11 @@ import torch
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.gpu.connect import connect_gpu_group
 from collective.groups.gpu.hierarchy import GpuHierarchyGroup
+from collective.groups.gpu.multigpu import Gpus
 from collective.groups.gpu.stages import Arrays
 from collective.groups.nccl import mismatch
 from collective.groups.shared_gpu import transport
+from collective.groups.shared_gpu.running import Buffers
 from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
@@ -110,24 +112,30 @@ class HostStages:
                     listener(error)
 
 
-def run_layout(
-    gpus: list[int],
-    fn: Callable[[GpuHierarchyGroup, int], Any],
+def run_on_gpus(
+    world_size: int,
+    fn: Callable[[Any, int], Any],
+    device_of: Callable[[int], HostDevice],
+    *,
+    make: Callable[..., Any] = HostStages,
+    buffers: Buffers = HOST_BUFFERS,
+    gpus_of: Callable[[int], Gpus | None] = lambda rank: None,
     group_timeout: timedelta = TIMEOUT,
-    devices: list[HostGpu] | None = None,
 ) -> list[Any]:
-    """Run ``fn(group, rank)`` with rank r on stood-in GPU ``gpus[r]``; destroy the group after."""
-    world_size = len(gpus)
-    devices = devices or [HostGpu(f"gpu-{i}") for i in range(max(gpus) + 1)]
-    master = _master_store()
-    name = f"hier-{uuid.uuid4().hex[:8]}"
+    """Run ``fn(group, rank)`` on a group built as ``backend="nccl"`` does; destroy it after.
+
+    Rank r's current GPU is ``device_of(r)``; ``make`` stands in for the NCCL groups
+    (``HostStages``), ``gpus_of(r)`` for rank r's GPUs by ordinal (the ``*_multigpu``
+    calls).
+    """
+    master, name = _master_store(), f"gpus-{uuid.uuid4().hex[:8]}"
 
     def target(rank: int) -> Callable[[], Any]:
         def run() -> Any:
             store = TCPRendezvousStore(master if rank == 0 else _client_store(master, TIMEOUT))
 
-            def make_stages(size: int, index: int, stage_name: str, scoped: Any) -> HostStages:
-                return HostStages(size, index, stage_name, scoped, group_timeout, "127.0.0.1")
+            def make_stages(size: int, index: int, stage_name: str, scoped: Any) -> Any:
+                return make(size, index, stage_name, scoped, group_timeout, "127.0.0.1")
 
             group = connect_gpu_group(
                 world_size,
@@ -135,12 +143,12 @@ def run_layout(
                 name,
                 store,
                 group_timeout,
-                device=HostDevice(devices[gpus[rank]], rank),
-                buffers=HOST_BUFFERS,
+                device=device_of(rank),
+                buffers=buffers,
                 make_stages=make_stages,
                 arrays=HOST_ARRAYS,
+                gpus=gpus_of(rank),
             )
-            assert isinstance(group, GpuHierarchyGroup)
             try:
                 return fn(group, rank)
             finally:
@@ -152,6 +160,25 @@ def run_layout(
         return _run_threads([target(r) for r in range(world_size)], JOIN_TIMEOUT_S)
     finally:
         HostStages.boards.clear()
+
+
+def run_layout(
+    gpus: list[int],
+    fn: Callable[[GpuHierarchyGroup, int], Any],
+    group_timeout: timedelta = TIMEOUT,
+    devices: list[HostGpu] | None = None,
+) -> list[Any]:
+    """Run ``fn(group, rank)`` with rank r on stood-in GPU ``gpus[r]``; destroy the group after."""
+    found = devices or [HostGpu(f"gpu-{i}") for i in range(max(gpus) + 1)]
+
+    def checked(group: Any, rank: int) -> Any:
+        assert isinstance(group, GpuHierarchyGroup)
+        return fn(group, rank)
+
+    def device_of(rank: int) -> HostDevice:
+        return HostDevice(found[gpus[rank]], rank)
+
+    return run_on_gpus(len(gpus), checked, device_of, group_timeout=group_timeout)
 
 
 @pytest.fixture(autouse=True)

@@ -23,11 +23,9 @@ import numpy as np
 import pytest
 
 from collective.groups.gpu import routes
-from collective.groups.gpu.connect import connect_gpu_group
 from collective.groups.gpu.routed import RoutedGpuGroup
 from collective.groups.shared_gpu import transport
 from collective.groups.shared_gpu.group import SharedGpuGroup
-from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -41,9 +39,8 @@ from collective.types import (
     SendOptions,
 )
 from tests.shared_gpu_standin import HostDevice, HostGpu
-from tests.test_gloo_group import JOIN_TIMEOUT_S, _client_store, _master_store, _run_threads
-from tests.test_gpu_hierarchy import HOST_ARRAYS, HostStages
-from tests.test_shared_gpu_group import HOST_BUFFERS, _data
+from tests.test_gpu_hierarchy import HostStages, run_on_gpus
+from tests.test_shared_gpu_group import _data
 
 TIMEOUT = timedelta(seconds=20)
 TABLE = {
@@ -104,34 +101,10 @@ def run_routed(
     group_timeout: timedelta = TIMEOUT,
 ) -> list[Any]:
     """Run ``fn(group, rank)`` on a group built as ``backend="nccl"`` does; destroy it after."""
-    gpu, master, name = HostGpu(), _master_store(), f"routed-{uuid.uuid4().hex[:8]}"
-
-    def target(rank: int) -> Callable[[], Any]:
-        def run() -> Any:
-            store = TCPRendezvousStore(master if rank == 0 else _client_store(master, TIMEOUT))
-
-            def make_stages(size: int, index: int, stage_name: str, scoped: Any) -> Any:
-                return make(size, index, stage_name, scoped, group_timeout, "127.0.0.1")
-
-            group = connect_gpu_group(
-                world_size,
-                rank,
-                name,
-                store,
-                group_timeout,
-                device=HostDevice(gpu, rank),
-                buffers=HOST_BUFFERS,
-                make_stages=make_stages,
-                arrays=HOST_ARRAYS,
-            )
-            try:
-                return fn(group, rank)
-            finally:
-                group.destroy_group()
-
-        return run
-
-    return _run_threads([target(r) for r in range(world_size)], JOIN_TIMEOUT_S)
+    gpu = HostGpu()
+    return run_on_gpus(
+        world_size, fn, lambda rank: HostDevice(gpu, rank), make=make, group_timeout=group_timeout
+    )
 
 
 # --- the decision -----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -23,12 +22,10 @@ import pytest
 
 from collective.checks.check_args import CheckedGroup
 from collective.frameworks.cuda_buffers import CudaBuffer
-from collective.groups.gpu.connect import connect_gpu_group
 from collective.groups.gpu.multigpu import Gpus, SeveralGpus
 from collective.groups.launches import Prepared
 from collective.groups.shared_gpu import transport
 from collective.groups.shared_gpu.running import Buffers, SharedGpuRunning
-from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import (
     AllGatherOptions,
     AllReduceOptions,
@@ -41,8 +38,7 @@ from collective.types import (
 )
 from collective.work import CompletedWork, Work
 from tests.shared_gpu_standin import HostDevice, HostGpu
-from tests.test_gloo_group import JOIN_TIMEOUT_S, _client_store, _master_store, _run_threads
-from tests.test_gpu_hierarchy import HOST_ARRAYS, HostStages, small_slots
+from tests.test_gpu_hierarchy import run_on_gpus, small_slots
 from tests.test_shared_gpu_group import _contiguous_copy, _data, _our_files
 
 __all__ = ["small_slots"]  # the autouse fixture: slots of 8 KiB, so messages take many chunks
@@ -93,43 +89,25 @@ def run_ranks(
 
     Every rank's current GPU (where its group is made) is its ordinal 0.
     """
-    gpus = gpus or [HostGpu(f"gpu-{i}") for i in range(1 + max(map(max, ordinals)))]
-    master, name = _master_store(), f"mgpu-{uuid.uuid4().hex[:8]}"
+    found = gpus or [HostGpu(f"gpu-{i}") for i in range(1 + max(map(max, ordinals)))]
 
-    def target(rank: int) -> Callable[[], Any]:
-        def run() -> Any:
-            store = TCPRendezvousStore(master if rank == 0 else _client_store(master, TIMEOUT))
+    def devices(rank: int) -> Callable[[int], HostDevice]:
+        return lambda ordinal: HostDevice(found[ordinals[rank][ordinal]], rank, ordinal)
 
-            def make_stages(size: int, index: int, stage_name: str, scoped: Any) -> HostStages:
-                return HostStages(size, index, stage_name, scoped, TIMEOUT, "127.0.0.1")
+    def gpus_of(rank: int) -> Gpus:
+        return Gpus(devices(rank), lambda ordinal: contextlib.nullcontext())
 
-            def device(ordinal: int) -> HostDevice:
-                return HostDevice(gpus[ordinals[rank][ordinal]], rank, ordinal)
+    def checked(group: Any, rank: int) -> Any:
+        assert isinstance(group, SharedGpuRunning)  # or a GpuHierarchyGroup, which is one
+        return fn(group, rank)
 
-            group = connect_gpu_group(
-                len(ordinals),
-                rank,
-                name,
-                store,
-                TIMEOUT,
-                device=device(0),
-                buffers=BUFFERS,
-                make_stages=make_stages,
-                arrays=HOST_ARRAYS,
-                gpus=Gpus(device, lambda ordinal: contextlib.nullcontext()),
-            )
-            assert isinstance(group, SharedGpuRunning)  # or a GpuHierarchyGroup, which is one
-            try:
-                return fn(group, rank)
-            finally:
-                group.destroy_group()
-
-        return run
-
-    try:
-        return _run_threads([target(r) for r in range(len(ordinals))], JOIN_TIMEOUT_S)
-    finally:
-        HostStages.boards.clear()
+    return run_on_gpus(
+        len(ordinals),
+        checked,
+        lambda rank: devices(rank)(0),
+        buffers=BUFFERS,
+        gpus_of=gpus_of,
+    )
 
 
 LAYOUTS = [
@@ -213,7 +191,7 @@ def test_lists_leave_nothing_once_the_group_is_destroyed(monkeypatch: pytest.Mon
         for _ in range(3):  # the groups of a set of devices are built once
             xs = [on(i, _data(rank, 100)) for i in range(3)]
             call(g, "allreduce", (xs,), AllReduceOptions())
-        assert g.lists is not None and len(g.lists._sets) == 1
+        assert isinstance(g.lists, SeveralGpus) and len(g.lists._sets) == 1
         start = time.monotonic()
         g.lists.destroy()
         return time.monotonic() - start
@@ -230,7 +208,7 @@ def test_tensors_on_the_wrong_gpus_are_refused_before_anything_moves() -> None:
         xs = [on(0, _data(rank, 10)), on(0, _data(rank, 10))]
         with pytest.raises(ArgumentValueError, match=r"tensor_list\[0\] and tensor_list\[1\]"):
             call(g, "allreduce", (xs,), AllReduceOptions())
-        assert g.lists is not None and not g.lists._sets  # nothing was built
+        assert isinstance(g.lists, SeveralGpus) and not g.lists._sets  # nothing was built
         elsewhere = on(1, _data(rank, 10))  # one tensor, on a GPU the group does not run on
         with pytest.raises(ArgumentValueError, match=r"tensor is on cuda:1, but group .* cuda:0"):
             call(g, "allreduce", ([elsewhere],), AllReduceOptions())
@@ -334,7 +312,7 @@ def test_a_check_args_group_runs_the_lists_and_refuses_a_mismatch_on_every_rank(
     # The check's control messages stay in host memory, which the stand-in GPU moves.
     monkeypatch.setattr(CheckedGroup, "_mover", lambda self, like: None)
 
-    def fn(g: SharedGpuRunning, rank: int) -> tuple[list[np.ndarray], str]:
+    def fn(g: SharedGpuRunning, rank: int) -> tuple[list[OnGpu], str]:
         checked = CheckedGroup(g)
         xs = [on(i, _data(rank * 2 + i, 300)) for i in range(2)]
         call(checked, "allreduce", (xs,), AllReduceOptions(ReduceOp.SUM))
