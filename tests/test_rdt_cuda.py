@@ -253,8 +253,11 @@ def test_concurrent_reads_in_one_process_open_the_handle_once(machine: Machine) 
     ]
     for thread in threads:
         thread.start()
-    while machine.consumers[0]._cuda._reads.count("obj") < 3:
+    cuda, deadline = machine.consumers[0]._cuda, time.monotonic() + 10
+    while sum(m.users for m in list(cuda._mapped.values())) < 3:  # every read holds the mapping
+        assert time.monotonic() < deadline, "the reads never mapped the object"
         time.sleep(0.001)
+    assert cuda._reads.count("obj") == 3
     assert machine.open_anywhere()[1] == (1, 1)
     machine.stuck.clear()
     for thread in threads:
