@@ -57,6 +57,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "support_matrix",
     "api_links",
+    "run_numbers",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
