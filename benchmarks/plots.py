@@ -7,10 +7,13 @@ on a linear axis from zero, split at ``LARGE``. Each line is named at its end, i
 colour (direct labels, spread so that no two overlap), and has a marker of its own;
 the plain copies are a dashed grey peer, not a bound. Where the run records the
 machine's memory bandwidth (``meta["membw"]``), a bus-bandwidth panel draws the bound it
-sets as a black line with the unreachable region above it hatched, labelled with its
-value: every byte that crosses between ranks is copied at least once, so the op's bus
-bandwidth is at most the measured copy rate of all the ranks together over the ranks'
-worth of bus bytes that cross (``report.membw_bound``). ``python -m benchmarks`` and
+sets as a black line, named at its end, with the unreachable region above it hatched,
+over the sizes it holds for (those of the measured copies and up: smaller messages fit
+the caches): every byte that crosses between ranks is copied at least once, so the op's
+bus bandwidth is at most the measured copy rate of all the ranks together over the
+ranks' worth of bus bytes that cross (``report.membw_bound``). The many-tensor figure
+is a dot per row and workload, with its time written beside it, and "not measured"
+where the run has no such row. ``python -m benchmarks`` and
 ``python -m benchmarks.bulk`` draw them from their runs; ``python -m benchmarks.replot``
 redraws the committed ones from the committed JSON, measuring nothing.
 """
@@ -60,9 +63,6 @@ LARGE = 1 << 20
 
 LABEL_GAP = 0.085
 """The least distance between two direct labels, in a panel's height."""
-
-BOUND_ROOM = 0.25
-"""The part of a bus-bandwidth panel's height above the memory-bandwidth bound: its label."""
 
 BULK_LABELS = {
     OURS: "collective, one call",
@@ -196,35 +196,29 @@ def bus_bandwidth(r: Record) -> float:
 
 
 def bound_label(bound: Bound) -> str:
-    """Return the memory-bandwidth bound's label: its value and the measured rate it comes from."""
-    shared = f" / {bound.copies}" if bound.copies > 1 else ""
-    return (
-        f"memory-bandwidth bound, {bound.gbs:.1f} GB/s\n"
-        f"(measured copy rate {bound.copy_gbs:.1f} GB/s{shared})"
-    )
+    """Return the memory-bandwidth bound's direct label: its value, on one line."""
+    return f"bound {bound.gbs:.1f} GB/s"
 
 
 def bandwidth_panel(ax: Any, records: list[Record], bound: Bound | None = None) -> None:
     """Draw the bus bandwidth of ``records`` against size, on a linear axis from zero.
 
-    With ``bound``, draw the memory-bandwidth bound: a black line, the region above it
-    hatched, and its value written there.
+    With ``bound``, draw the memory-bandwidth bound where it holds, from
+    ``bound.from_bytes`` on (smaller messages fit the caches): a black line, named at
+    its end as the other lines are, with the region above it hatched.
     """
     lines(ax, records, bus_bandwidth)
     top = max((bus_bandwidth(r) for r in records), default=1.0) * 1.1
-    if bound is not None:
-        top = max(top, bound.gbs / (1 - BOUND_ROOM))
-        ax.axhspan(bound.gbs, top, facecolor="0.94", edgecolor="0.8", hatch="//", lw=0, zorder=0)
-        ax.axhline(bound.gbs, color="black", lw=2, zorder=1, label="_memory-bandwidth bound")
-        ax.annotate(
-            bound_label(bound),
-            xy=(0.03, bound.gbs),
-            xycoords=("axes fraction", "data"),
-            xytext=(0, 4),
-            textcoords="offset points",
-            va="bottom",
-            fontsize=11,
-            bbox={"facecolor": "0.94", "edgecolor": "none", "pad": 1},
+    sizes = sorted({r["size"] for r in records})
+    held = [size for size in sizes if size >= bound.from_bytes] if bound is not None else []
+    if bound is not None and held:
+        top = max(top, bound.gbs * 1.15)
+        span = [held[0], held[-1]] if len(held) > 1 else [held[0], held[0] * 1.15]
+        ax.fill_between(
+            span, bound.gbs, top, facecolor="0.94", edgecolor="0.8", hatch="//", lw=0, zorder=0
+        )
+        ax.plot(
+            span, [bound.gbs, bound.gbs], color="black", lw=2, zorder=1, label=bound_label(bound)
         )
     ax.set_ylim(0, top)
     ax.set_ylabel("bus bandwidth (GB/s)")
@@ -363,45 +357,100 @@ def busbw(
     return drawn
 
 
-def bulk(path: Path, records: list[Record]) -> None:
-    """Draw each workload's median time per row as grouped bars, a panel per node count."""
-    node_counts = sorted({r["nodes"] for r in records})[:MAX_PANELS]
+BULK_MARKERS = {OURS: "o", LOOP: "s", RAY: "D", STORE: "v", COPY: "x"}
+"""One marker per row of the many-tensor run."""
+
+
+def bulk_rows(records: list[Record]) -> list[tuple[str, str | None]]:
+    """Return the figure's rows, top down: a workload's heading, then a row per implementation."""
     impls = [i for i in BULK_LABELS if any(r["impl"] == i for r in records)]
-    width = 0.8 / max(1, len(impls))
+    rows: list[tuple[str, str | None]] = []
+    for kind in dict.fromkeys(r["workload"] for r in records):
+        rows += [(kind, None)] + [(kind, impl) for impl in impls]
+    return rows
+
+
+def bulk_heading(records: list[Record], kind: str) -> str:
+    """Return a workload's heading: its name, tensor count and size."""
+    first = next(r for r in records if r["workload"] == kind)
+    return f"{kind}: {first['tensors']:,} tensors, {human_bytes(first['bytes'])}"
+
+
+def milliseconds(value: float) -> str:
+    """Return a time given in ms with three significant digits: ``68.1 ms``, ``1.57 s``."""
+    return f"{value / 1e3:.2f} s" if value >= 1e3 else f"{value:.3g} ms"
+
+
+def bulk(path: Path, records: list[Record]) -> list[tuple[int, str, str]]:
+    """Draw each row's median time per call as a dot, a panel per node count.
+
+    A dot per implementation and workload on a log time axis, its time written beside
+    it; a row the run did not measure says "not measured". Returns those rows, as
+    ``(nodes, workload, implementation)``.
+    """
+    missing = []
+    node_counts = sorted({r["nodes"] for r in records})[:MAX_PANELS]
+    rows = bulk_rows(records)
+    times = [r["time_ms"]["median"] for r in records]
     with pyplot() as plt:
         fig, axes = plt.subplots(
             1,
             len(node_counts),
-            figsize=(WIDTH_IN, 5.4),
+            figsize=(WIDTH_IN, 0.36 * len(rows) + 1.4),
             squeeze=False,
             sharey=True,
             layout="constrained",
         )
         for ax, nodes in zip(axes[0], node_counts, strict=True):
-            rows = [r for r in records if r["nodes"] == nodes]
-            workloads_here = list(dict.fromkeys(r["workload"] for r in rows))
-            for j, impl in enumerate(impls):
-                bars = [
-                    (i + j * width, r["time_ms"]["median"])
-                    for i, kind in enumerate(workloads_here)
-                    for r in rows
-                    if (r["workload"], r["impl"]) == (kind, impl)
-                ]
-                if bars:
-                    xs, ys = zip(*bars, strict=True)
-                    label = BULK_LABELS[impl]
-                    ax.bar(xs, ys, width, label=label, color=COLORS.get(impl, "tab:gray"))
-            ticks = []
-            for kind in workloads_here:
-                first = next(r for r in rows if r["workload"] == kind)
-                ticks.append(f"{kind}\n{first['tensors']:,} tensors\n{human_bytes(first['bytes'])}")
-            ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(ticks))], ticks)
-            ranks = rows[0]["world_size"]
-            where = "one node" if nodes == 1 else f"{nodes} Ray nodes\nof one machine"
-            ax.set_title(f"{ranks} ranks on {where}")
-            ax.set_yscale("log")
-            ax.grid(True, axis="y", alpha=0.3)
-        axes[0][0].set_ylabel("median time per call (ms)")
-        legend(fig, axes.flat, list(BULK_LABELS.values()))
+            here = {(r["workload"], r["impl"]): r for r in records if r["nodes"] == nodes}
+            for y, (kind, impl) in enumerate(rows):
+                if impl is None:
+                    continue
+                r = here.get((kind, impl))
+                if r is None:
+                    missing.append((nodes, kind, impl))
+                    ax.annotate(
+                        "not measured",
+                        xy=(0.02, y),
+                        xycoords=("axes fraction", "data"),
+                        va="center",
+                        color="0.45",
+                        fontsize=11,
+                        style="italic",
+                    )
+                    continue
+                t = r["time_ms"]["median"]
+                ax.plot(
+                    [t], [y], BULK_MARKERS.get(impl, "o"), color=COLORS.get(impl, "tab:gray"), ms=8
+                )
+                ax.annotate(
+                    milliseconds(t),
+                    xy=(t, y),
+                    xytext=(7, 0),
+                    textcoords="offset points",
+                    va="center",
+                    fontsize=11,
+                )
+            ax.set_xscale("log")
+            ax.set_xlim(min(times) / 1.6, max(times) * 4)
+            ax.xaxis.set_major_formatter(lambda v, _: microseconds(v * 1e3))
+            ax.grid(True, axis="x", alpha=0.3)
+            ranks = next(r["world_size"] for r in records if r["nodes"] == nodes)
+            where = "one node" if nodes == 1 else f"{nodes} Ray nodes"
+            ax.set_title(f"{where}, {ranks} ranks")
+        fig.supxlabel("median time per call (log scale)")
+        first = axes[0][0]
+        first.set_yticks(
+            range(len(rows)),
+            [
+                bulk_heading(records, kind) if impl is None else BULK_LABELS[impl]
+                for kind, impl in rows
+            ],
+        )
+        for label, (_, impl) in zip(first.get_yticklabels(), rows, strict=True):
+            if impl is None:
+                label.set_fontweight("bold")
+        first.set_ylim(len(rows) - 0.5, -0.5)
         fig.savefig(path, dpi=DPI, bbox_inches="tight")
         plt.close(fig)
+    return missing

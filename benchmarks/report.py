@@ -195,6 +195,10 @@ class Bound:
     """The measured copy rate of all the ranks together (GB/s)."""
     copies: int
     """The op's ``BUS_COPIES``: the rate is shared by this many ranks' bus bytes."""
+    from_bytes: int = 0
+    """The smallest message it holds for: the size of the copies that measured the rate.
+
+    Smaller messages fit the caches, which copy faster than memory."""
 
     @property
     def gbs(self) -> float:
@@ -212,8 +216,9 @@ def membw_bound(membw: dict[str, Any] | None, op: str, world_size: int) -> Bound
     ``A`` bytes a second, the fastest round measured with as many processes as the ranks
     have cores for (or fewer, if fewer were faster). An op then takes at least
     ``BUS_COPIES * busbytes / A``, so its bus bandwidth is at most ``A / BUS_COPIES``:
-    ``A / n`` for allreduce, ``A / (n-1)`` for broadcast. It holds for messages larger
-    than the caches, as the measured copies are (smaller ones can copy faster), and while
+    ``A / n`` for allreduce, ``A / (n-1)`` for broadcast. It holds for messages at least
+    as large as the measured copies (``Bound.from_bytes``; smaller ones fit the caches,
+    which copy faster), and while
     the machine copies as fast as it did when measured: other jobs share its memory, so
     the rate moves between sittings, and the fastest round is the one taken. Returns None
     where ``membw`` lacks the process count or no byte crosses (one rank).
@@ -224,7 +229,7 @@ def membw_bound(membw: dict[str, Any] | None, op: str, world_size: int) -> Bound
     if min(world_size, membw["cpus"]) not in rates:
         return None
     fastest = max(rate for p, rate in rates.items() if p <= world_size)
-    return Bound(fastest, BUS_COPIES[op](world_size))
+    return Bound(fastest, BUS_COPIES[op](world_size), int(membw.get("size", 0)))
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
