@@ -89,7 +89,14 @@ html_context = {"default_mode": "light"}
 SECTIONS = {
     "get-started": ["install", "quickstart", "examples"],
     "how-to": ["weight-sync", "elastic", "nccl", "inside-ray", "migration", "debugging"],
-    "reference": ["api", "backends", "support-matrix", "environment", "troubleshooting"],
+    "reference": [
+        "api",
+        "backends",
+        "support-matrix",
+        "environment",
+        "troubleshooting",
+        "contributing",
+    ],
     "explanation": [
         "concepts",
         "data-movement",
@@ -223,7 +230,7 @@ MARKER = "@generated@"
 SECTION_SUMMARIES = {
     "get-started": "your first op, then whole programs to copy",
     "how-to": "one job each",
-    "reference": "every name, knob and error",
+    "reference": "every name, knob and error, and what maintainers run",
     "explanation": "how it works and how fast",
 }
 
@@ -304,6 +311,16 @@ def runs() -> tuple[dict | None, dict | None]:
     return perf_pages.load(RESULTS_JSON), perf_pages.load(BULK_JSON)
 
 
+def load_clause(results: dict | None, bulk: dict | None) -> str:
+    """Return the load the committed runs ended at, as a clause: ``, load average 8.0 ...``."""
+    loads = [
+        f"{load[0]:g} ({name})"
+        for name, run in (("op sweep", results), ("many-tensor run", bulk))
+        if run is not None and (load := run["meta"].get("load_average"))
+    ]
+    return f", load average at the end of the run {' and '.join(loads)}" if loads else ""
+
+
 def headlines_body() -> str:
     """Return the landing page's numbers, each linked to the performance page."""
     results, bulk = runs()
@@ -316,10 +333,10 @@ def headlines_body() -> str:
         + "\n\nMedian time per call; in brackets, how the peer's time compares with "
         + "`collective`'s. Ranks in Ray actors on one node of "
         + perf_pages.machine(meta)
-        + "; raw Gloo is torch's `ProcessGroupGloo` in plain processes. "
-        + "**4 ranks run on the machine's 2 cores, so each rank waits for a core and the "
-        + "4-rank gains shrink.** The [performance page](performance.md#summary) has "
-        + "every op and size, and the commands that measure them.\n"
+        + f"{load_clause(results, bulk)}; raw Gloo is torch's `ProcessGroupGloo` in plain "
+        + "processes. **4 ranks run on the machine's 2 cores, so each rank waits for a core "
+        + "and the 4-rank gains shrink.** The [performance page](performance.md#summary) "
+        + "has every op and size, and the commands that measure them.\n"
     )
 
 
@@ -338,8 +355,9 @@ def summary_body() -> str:
         "",
         "Median time per call of `collective` and of each peer; in brackets, how the "
         "peer's time compares with `collective`'s. Ranks are Ray actors, on one node of "
-        f"{perf_pages.machine(meta)} unless the row says 2 Ray nodes: two Ray nodes of "
-        "a `ray.cluster_utils.Cluster` on that same machine, 2 ranks each. Raw Gloo is "
+        f"{perf_pages.machine(meta)}{load_clause(results, bulk)}, unless the row says 2 "
+        "Ray nodes: two Ray nodes of a `ray.cluster_utils.Cluster` on that same machine, "
+        "2 ranks each. Raw Gloo is "
         "torch's `ProcessGroupGloo` in plain processes, not in Ray. The 8-byte latency "
         "times single ops back to back; the other rows are medians of the "
         "[full tables](performance-detail.md#full-results). CPU only: the committed runs "
@@ -359,7 +377,9 @@ def summary_body() -> str:
             "1 MiB (lower is faster); on the right, the bus bandwidth of 1 MiB and up "
             "(higher is faster). Each line is named at its end. The plain copies (dashed) "
             "are a peer, not a bound; the black line is the bound the machine's measured "
-            "memory bandwidth sets, with the unreachable region above it shaded.",
+            "memory bandwidth sets, with the unreachable region above it shaded, drawn "
+            "where it holds: from the size of the measured copies on (smaller messages fit "
+            "the caches).",
             "",
         ]
     return "\n".join(text)
@@ -411,6 +431,12 @@ def full_body() -> str:
         "columns.",
         "",
     ]
+    for dropped in results["meta"].get("dropped", []):
+        parts += [
+            f"Rows dropped from the file: {dropped['rows']}, {dropped['why']}; "
+            f"`{dropped['command']}` measures them again.",
+            "",
+        ]
     if results.get("goals"):
         parts += ["### Goals", "", perf_pages.goals_table(results["goals"]), ""]
     if results.get("latency"):
@@ -433,7 +459,7 @@ def full_body() -> str:
             "messages of 1 MiB and up, on a linear axis; higher is faster. The op tables "
             "below give the smaller messages' times. Each line is named at its end; the "
             "plain copies (dashed) are a peer, not a bound; the black line is the "
-            "memory-bandwidth bound.",
+            "memory-bandwidth bound, from the size of the measured copies on.",
             "",
         ]
     for path, ops in shown:

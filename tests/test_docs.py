@@ -72,6 +72,7 @@ HISTORY = ["/tmp/", "run5", "run 5", "before issue", "it never did", "we used to
 
 sys.path.insert(0, str(DOCS / "_ext"))
 import perf_pages  # noqa: E402
+import run_numbers  # noqa: E402
 import support_matrix  # noqa: E402
 
 
@@ -229,33 +230,120 @@ def test_summary_shows_every_many_tensor_workload_on_two_nodes_losses_included(
     assert 'id="where-it-loses"' in performance
 
 
-TIME = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?) ?(µs|ms|s)\b")
-UNITS = {"µs": 1e-6, "ms": 1e-3, "s": 1.0}
+ROLE = re.compile(r"\{(run|ratio|times|bound|meta)\}`([^`]+)`")
+"""A number the build writes from a committed run (``docs/_ext/run_numbers.py``)."""
+CITES = re.compile(r"committed|op sweep|many-tensor run|[\w-]+\.json", re.I)
+"""Words that say a sentence's numbers come from a committed run."""
+MEASURED = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)? ?(?:µs|ms|s|GB/s)(?![\w/])"
+    r"|(?<![\w.])\d+(?:\.\d+)?(?:x|\u00a0?times)(?!\w)"
+    r"|(?<![\w.])0\.\d+(?![\w.])"
+    r"|load average \d"
+)
+"""A figure that a run measures: a time, a rate, a factor, a fraction, a load."""
+STRICT = {"performance.md", "performance-detail.md"}
+"""Pages whose every figure must be written from a committed run, cited or not."""
 
 
-def committed_times() -> list[float]:
-    """Return every median time, in seconds, of the committed runs."""
-    results = perf_pages.load(DOCS / "performance" / "results.json") or {}
-    bulk = perf_pages.load(DOCS / "performance" / "bulk.json") or {}
-    return (
-        [r["time_us"]["median"] * 1e-6 for r in results.get("results", [])]
-        + [p["median_us"] * 1e-6 for p in results.get("latency", [])]
-        + [r["time_ms"]["median"] * 1e-3 for r in bulk.get("results", [])]
-    )
+def prose(text: str) -> str:
+    """Return a page's text without code blocks, directives, inline code and roles."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = ROLE.sub("", text)
+    return re.sub(r"`[^`]*`", "", text)
 
 
-@pytest.mark.parametrize("name", ["performance", "performance-detail"])
-def test_every_time_the_performance_pages_quote_is_a_committed_median(name: str) -> None:
-    text = (DOCS / f"{name}.md").read_text(encoding="utf-8")
-    medians = committed_times()
-    quoted = TIME.findall(text)
-    assert quoted, name
-    for number, unit in quoted:
-        decimals = len(number.split(".")[1]) if "." in number else 0
-        value = float(number.replace(",", ""))
-        assert any(round(m / UNITS[unit], decimals) == value for m in medians), (
-            f"{name}: {number} {unit} is in no committed results file"
-        )
+def hand_typed_figures(path: Path) -> list[str]:
+    """Return each paragraph's figures typed by hand where the paragraph cites a committed run."""
+    found = []
+    for paragraph in prose(path.read_text(encoding="utf-8")).split("\n\n"):
+        if path.name in STRICT or CITES.search(paragraph):
+            found += [
+                f"{path.name}: {m.group(0)!r} in {paragraph.strip()[:160]!r}"
+                for m in MEASURED.finditer(paragraph)
+            ]
+    return found
+
+
+def test_no_page_types_a_figure_of_a_committed_run_by_hand(tmp_path: Path) -> None:
+    """A sentence that cites a committed run names its points; the build writes the numbers.
+
+    ``{run}`results:allreduce/2/64M``` becomes ``9.44 ms`` from ``results.json`` at each
+    build, so no figure can drift from its file; a figure typed by hand beside a citation
+    fails here. The performance pages may type no measured figure at all.
+    """
+    typed = [
+        f
+        for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
+        for f in hand_typed_figures(path)
+    ]
+    assert not typed, "\n".join(typed)
+    assert hand_typed_figures(DOCS / "performance.md") == []
+    example = tmp_path / "example.md"
+    example.write_text("In the committed op sweep it takes 13.9 ms, 0.36 of raw Gloo's time.")
+    assert len(hand_typed_figures(example)) == 2
+
+
+def test_every_number_a_page_names_is_in_a_committed_run(site: Path) -> None:
+    """Each role names a point that a committed file holds; none is written as absent."""
+    named = [
+        (path.name, role, key)
+        for path in [*sorted(DOCS.glob("*.md"))]
+        for role, key in ROLE.findall(path.read_text(encoding="utf-8"))
+    ]
+    assert len(named) > 40, named
+    for page_name, role, key in named:
+        try:
+            run_numbers.FORMATS[role](key)
+        except run_numbers.MissingPointError as error:
+            raise AssertionError(f"{page_name}: {{{role}}}`{key}`: {error}") from error
+    for path in site.glob("*.html"):
+        assert run_numbers.ABSENT not in path.read_text(encoding="utf-8"), path.name
+    assert "9.44\u00a0ms" in page(site, "performance")
+
+
+NOT_USER_PAGES = {"contributing.md"}
+"""Pages for maintainers, which the word counts leave out."""
+PAGE_WORDS = 3000
+"""The most words one user page may hold."""
+ALL_WORDS = 28000
+"""The most words all the user pages together may hold."""
+FIRST_PAGES = {
+    "concepts.md", "data-movement.md", "debugging.md", "design-notes.md", "elastic.md",
+    "environment.md", "examples.md", "explanation.md", "failure-model.md", "get-started.md",
+    "how-to.md", "index.md", "inside-ray.md", "install.md", "migration.md", "nccl.md",
+    "performance-detail.md", "performance.md", "quickstart.md", "reference.md",
+    "support-matrix.md", "troubleshooting.md", "weight-sync.md",
+}  # fmt: skip
+FIRST_WORDS = 24500
+"""The pages of the site before it gave GPU status and torch.distributed pages their own,
+and their budget within ``ALL_WORDS``, which leaves those pages room."""
+INCLUDE = re.compile(r"^```\{include\} (\S+)", flags=re.M)
+
+
+def page_words(path: Path) -> int:
+    """Return the words of a page's Markdown source, with the files it includes."""
+    text = path.read_text(encoding="utf-8")
+    return len(text.split()) + sum(page_words(path.parent / name) for name in INCLUDE.findall(text))
+
+
+def user_pages() -> list[Path]:
+    """Return every user page of the site: each Markdown page but the maintainers'."""
+    pages = sorted(DOCS.glob("*.md"))
+    included = {name for page in pages for name in INCLUDE.findall(page.read_text())}
+    return [p for p in pages if p.name not in NOT_USER_PAGES | included]
+
+
+def test_the_user_pages_stay_short() -> None:
+    """Every user page, included files and code too, counts: each page and all of them
+    have a ceiling, so that the pages cannot grow back unnoticed."""
+    counts = {page.name: page_words(page) for page in user_pages()}
+    assert FIRST_PAGES <= set(counts), FIRST_PAGES - set(counts)
+    assert "concepts.md" in counts and "guide.md" not in counts
+    too_long = {name: n for name, n in counts.items() if n > PAGE_WORDS}
+    assert not too_long, too_long
+    assert sum(counts.values()) <= ALL_WORDS, sorted(counts.items(), key=lambda c: -c[1])
+    first = sum(n for name, n in counts.items() if name in FIRST_PAGES)
+    assert first <= FIRST_WORDS, first
 
 
 def test_gpu_numbers_say_the_gpu_and_the_world_size() -> None:

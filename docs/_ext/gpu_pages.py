@@ -31,11 +31,8 @@ from benchmarks.gpu_results import (
 )
 
 HOW = (
-    "On a machine with a GPU, from the repository root: `bash tests/gpu/run.sh` (or "
-    "`RUN_PARTS=bench bash tests/gpu/run.sh` for the benchmark alone), then "
-    "`python -m benchmarks.gpu_results --from $OUT/bench.json`, which checks the run and "
-    f"writes `{FILE}` and the README's GPU lines. Commit both; the docs build draws every "
-    "GPU table from that file."
+    "[Contributing](contributing.md#testing-on-a-gpu-machine) says how a machine with a GPU "
+    f"makes `{FILE}`, which every GPU table of these pages is written from."
 )
 ABSENT = "No GPU run is committed yet, so the docs quote no GPU number."
 MIB = 1 << 20

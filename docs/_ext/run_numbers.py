@@ -4,8 +4,9 @@ A page never types a number that a committed run measured: it names the point, a
 build writes the number from the file, so the two cannot drift. Roles (MyST syntax
 ``{run}`results:allreduce/2/64M```):
 
-- ``{run}`` the median time of a point, or ``a to b`` over several: ``results:op/ranks/size[/impl]``
-  (the op sweep, ``docs/performance/results.json``; ``impl`` defaults to ``collective``),
+- ``{run}`` the median time of a point, or ``a to b`` over several:
+  ``results:op/ranks/size[/impl]`` (the op sweep, ``docs/performance/results.json``;
+  ``impl`` defaults to ``collective``; a size of ``*`` is every size it recorded),
   ``latency:ranks[/impl]`` (its 8-byte latency probes), ``bulk:workload/nodes[/impl]``
   (the many-tensor run, ``bulk.json``).
 - ``{ratio}`` the time of one implementation over another's at the same points, with two
@@ -14,15 +15,15 @@ build writes the number from the file, so the two cannot drift. Roles (MyST synt
 - ``{bound}`` a point's bus bandwidth as a fraction of the memory-bandwidth bound the
   op sweep measured: ``results:allreduce/2/64M,256M``.
 - ``{meta}`` a fact of a run: ``results:load``, ``bulk:load``, ``rdt:load``,
-  ``rdt-full:load``, ``gloo:load``, ``results:copy`` (the copy rate of all ranks together),
-  ``results:bound/allreduce/2`` (the bound, in GB/s).
+  ``rdt-full:load``, ``gloo:load``, ``elastic:load``, ``results:copy`` (the copy rate of
+  all ranks together), ``results:bound/allreduce/2`` (the bound, in GB/s).
 
 Every slot takes a comma list, and the role then gives the range over every combination.
 A point that no committed file holds is written as ``ABSENT``, so that the pages build
 without the results files; ``tests/test_docs.py`` checks that the committed site has
 none, and that every role of every page names a committed point. The directive
-``{committed-table}`` with ``rdt``, ``rdt-full`` or ``gloo-agreement`` writes the tables
-of those runs.
+``{committed-table}`` with ``rdt``, ``rdt-full``, ``gloo-agreement`` or ``elastic`` writes
+the tables of those runs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ FILES = {
     "rdt": "rdt.json",
     "rdt-full": "rdt-full.json",
     "gloo": "gloo_agreement.json",
+    "elastic": "elastic.json",
 }
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -146,6 +148,22 @@ def parse(text: str) -> tuple[str, list[list[str]], list[str]]:
     return source, parts[:arity], impls
 
 
+def expand(source: str, parts: list[list[str]], impl: str) -> list[tuple[str, ...]]:
+    """Return every point that ``parts`` names.
+
+    A size of ``*`` is every size the op sweep recorded for that op, world size and
+    ``impl`` (allgather at 4 ranks has 16 B, not 8 B).
+    """
+    if source != "results" or parts[2] != ["*"]:
+        return list(itertools.product(*parts))
+    return [
+        (op, ranks, str(r["size"]))
+        for op, ranks in itertools.product(parts[0], parts[1])
+        for r in run("results")["results"]
+        if (r["op"], r["world_size"], r["impl"]) == (op, int(ranks), impl)
+    ]
+
+
 def values(text: str, both: bool) -> list[float]:
     """Return each point's seconds, or each point's quotient of two implementations.
 
@@ -156,7 +174,7 @@ def values(text: str, both: bool) -> list[float]:
     if both != (len(impls) == 2):
         raise MissingPointError(f"{text!r}: give {'two implementations, a|b' if both else 'one'}")
     found = []
-    for key in itertools.product(*parts):
+    for key in expand(source, parts, impls[0]):
         times = [seconds(source, list(key), impl) for impl in impls]
         if both:
             found += [times[0][i] / times[1][i] for i in times[0] if i in times[1]]
@@ -168,6 +186,8 @@ def values(text: str, both: bool) -> list[float]:
 def span(numbers: Iterable[float], fmt: Callable[[float], str]) -> str:
     """Return one formatted number, or ``low to high`` when they differ once formatted."""
     ordered = sorted(numbers)
+    if not ordered:
+        raise MissingPointError("no point of the committed run matches")
     low, high = fmt(ordered[0]), fmt(ordered[-1])
     return low if low == high else f"{low} to {high}"
 
@@ -333,10 +353,60 @@ def gloo_table() -> str:
     return "\n".join(lines)
 
 
+ELASTIC_ROWS = {
+    ("shrink_group", "from_error_s"): "`shrink_group`: the worst survivor's error to its first op",
+    ("shrink_group", "from_kill_s"): "`shrink_group`: the kill to the last survivor's first op",
+    ("destroy + init (3)", "from_error_s"): "destroy + init of 3: the worst survivor's error "
+    "to its first op",
+    ("destroy + init (3)", "from_kill_s"): "destroy + init of 3: the kill to the last "
+    "survivor's first op",
+    ("grow_group (3 -> 4)", "to_first_op_s"): "`grow_group` from 3 to 4: the start to the "
+    "last rank's first op",
+    ("destroy + init (4)", "to_first_op_s"): "destroy + init of 4: the start to the last "
+    "rank's first op",
+}
+"""The elastic run's rows: a recovery and what its time runs from and to."""
+
+
+def elastic_table() -> str:
+    """Return the elastic run's recovery times, one column per node count."""
+    data = run("elastic")
+    records = {(r["row"], r["nodes"]): r for r in data["results"]}
+    node_counts = sorted({r["nodes"] for r in data["results"]})
+    titles = {1: "one node (shared memory)", 2: "two Ray nodes (hierarchical)"}
+    lines = [
+        "| | " + " | ".join(titles.get(n, f"{n} nodes") for n in node_counts) + " |",
+        "|---|" + "---|" * len(node_counts),
+    ]
+    for (row, field), title in ELASTIC_ROWS.items():
+        cells = []
+        for n in node_counts:
+            times = records.get((row, n), {}).get(field)
+            cells.append(
+                "not measured"
+                if not times
+                else f"{duration(times['median'])} ({duration(times['min'])} to "
+                f"{duration(times['max'])})"
+            )
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    meta_ = data["meta"]
+    rounds = data["results"][0]["rounds"]
+    lines += [
+        "",
+        f"The median of {rounds} rounds, and in brackets the fastest and slowest, from "
+        "`docs/performance/elastic.json` (`python -m benchmarks.elastic --rounds "
+        f"{rounds}`): {meta_['cpus']} CPUs shared with other work, load average "
+        f"{meta_['load_average'][0]:g} at its end, Ray {meta_['ray']}; two nodes are a "
+        "`ray.cluster_utils.Cluster` on the same machine, two ranks on each.",
+    ]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "rdt": lambda: rdt_table("rdt"),
     "rdt-full": lambda: rdt_table("rdt-full"),
     "gloo-agreement": gloo_table,
+    "elastic": elastic_table,
 }
 
 
