@@ -210,6 +210,10 @@ API_TOPICS: list[tuple[str, str, list[str]]] = [
 ]
 """The API reference's topics: a title, a one-line summary and the names, in order."""
 
+TOPIC_TYPES = {"Groups": ["collective.types.CpuTransport"]}
+"""Types the public functions take that ``collective`` does not export, by topic: their
+entries let the signatures that name them link there."""
+
 BACKEND_NAMES = ["register_collective_backend", "BaseGroup"]
 """The names on the backend internals page."""
 
@@ -293,6 +297,8 @@ def api_body() -> str:
         lines += [", ".join(f":func:`~collective.{n}`" for n in names if not _is_class(n))]
         lines += [""]
         lines += autodoc(names)
+        for path in TOPIC_TYPES.get(title, []):
+            lines += [f".. autoclass:: {path}", ""]
     return "\n".join(lines)
 
 

@@ -112,6 +112,7 @@ def test_api_lists_every_public_name_once_by_topic(site: Path) -> None:
         anchor = f'id="collective.{name}"'
         assert api.count(anchor) + backends.count(anchor) == 1, name
     assert 'id="collective.BaseGroup"' in backends
+    assert 'href="#collective.types.CpuTransport"' in api, "signatures link the type they take"
     assert 'id="collective.register_collective_backend"' in backends
     headings = [api.index(f'{topic}<a class="headerlink"') for topic in TOPICS]
     assert headings == sorted(headings)

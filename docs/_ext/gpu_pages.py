@@ -31,8 +31,10 @@ from benchmarks.gpu_results import (
 )
 
 HOW = (
-    "[Contributing](contributing.md#testing-on-a-gpu-machine) says how a machine with a GPU "
-    f"makes `{FILE}`, which every GPU table of these pages is written from."
+    "On a machine with a GPU, `bash tests/gpu/run.sh` and then "
+    f"`python -m benchmarks.gpu_results --from $OUT/bench.json` write `{FILE}`, which every "
+    "GPU table of these pages is written from ([contributing]"
+    "(contributing.md#committing-a-gpu-run))."
 )
 ABSENT = "No GPU run is committed yet, so the docs quote no GPU number."
 MIB = 1 << 20
