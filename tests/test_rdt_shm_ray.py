@@ -9,6 +9,10 @@ and the consumers' mappings are checked flat after the objects are dropped.
 from __future__ import annotations
 
 import glob
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -289,3 +293,47 @@ def test_a_producer_that_dies_is_an_error_in_every_consumer(
         with pytest.raises(ray.exceptions.RayTaskError, match=rf"\(pid {pid}\) died"):
             ray.get(consumer.check.remote(ref, 7, 10), timeout=30)
     assert segments(pid) == []  # the first consumer that saw it dead removed the file
+
+
+_CYCLES = """
+import glob, json, os, sys, time
+import ray, torch
+import collective as col
+
+col.register_shm_transport()
+mine, counts = f"/dev/shm/collective-{os.getpid()}-*", []
+for cycle in range(5):
+    ray.init(address=sys.argv[1], namespace="rdt-shm-cycles", log_to_driver=False)
+    x = torch.full((1024,), float(cycle))
+    ref = ray.put(x, _tensor_transport="COLLECTIVE_SHM")
+    assert torch.equal(ray.get(ref, timeout=60), x)
+    made = len(glob.glob(mine))
+    # The last round keeps the session's node handle, as code that keeps Ray's
+    # internals might: its file then goes at the next ray.init.
+    kept = ray._private.worker.global_worker.node if cycle == 4 else None
+    ray.shutdown()  # the reference is still alive
+    at_shutdown = len(glob.glob(mine))
+    del ref
+    counts.append([made, at_shutdown, len(glob.glob(mine))])
+ray.init(address=sys.argv[1], namespace="rdt-shm-cycles", log_to_driver=False)
+counts.append([len(glob.glob(mine))])
+ray.shutdown()
+print(json.dumps(counts))
+"""
+
+
+def test_a_driver_that_shuts_down_holding_a_reference_leaves_no_file(
+    pool: tuple[Any, list[Any], int], shared_cluster: SharedCluster
+) -> None:
+    """Five rounds of init, put, shutdown with the reference alive, then the reference dropped.
+
+    The file goes at the shutdown, or at the next ``ray.init`` when the session's end
+    went unseen. A fresh driver process: it counts only its own files, before it exits.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _CYCLES, shared_cluster.address],
+        capture_output=True, text=True, timeout=RAY_TIMEOUT_S * 3, env=os.environ,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = [[1, 0, 0]] * 4 + [[1, 1, 1], [0]]
+    assert json.loads(done.stdout.splitlines()[-1]) == rounds, done.stdout
