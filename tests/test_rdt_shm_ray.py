@@ -24,6 +24,7 @@ import torch
 from ray.experimental import set_target_for_ref
 
 import collective as col
+from tests import odd_tensors
 from tests.conftest import RAY_TIMEOUT_S, SharedCluster
 
 SHM = "COLLECTIVE_SHM"
@@ -91,6 +92,14 @@ class _Producer:
     @ray.method(tensor_transport=SHM)
     def pair(self) -> list[torch.Tensor]:
         return [torch.arange(10.0), torch.ones(3, 4, dtype=torch.int32)]
+
+    @ray.method(tensor_transport=SHM)
+    def odd(self, kind: str) -> list[Any]:
+        return [torch.ones(2), odd_tensors.refused(kind)]
+
+    @ray.method(tensor_transport=SHM)
+    def carried(self) -> dict[str, Any]:
+        return odd_tensors.carried()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
@@ -272,29 +281,6 @@ def test_a_consumer_that_dies_holding_the_object_leaves_it_to_the_others(
     assert flat(pid, consumers) == ([], [0, 0, 0])
 
 
-def test_a_producer_that_dies_is_an_error_in_every_consumer(
-    pool: tuple[Any, list[Any], int],
-) -> None:
-    producer, consumers, pid = pool
-    doomed = Producer.remote()
-    ref = doomed.weights.remote(6, 10, 30.0)  # dies before it returns
-    pending = [c.check.remote(ref, 6, 10) for c in consumers]
-    time.sleep(0.5)
-    ray.kill(doomed)
-    for task in pending:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(task, timeout=30)
-    ref = producer.weights.remote(7, 10)
-    ray.wait([ref], timeout=RAY_TIMEOUT_S)
-    assert len(segments(pid)) == 1
-    ray.kill(producer)  # dies after it returned: its file is still there
-    wait_dead(pid)
-    for consumer in consumers:
-        with pytest.raises(ray.exceptions.RayTaskError, match=rf"\(pid {pid}\) died"):
-            ray.get(consumer.check.remote(ref, 7, 10), timeout=30)
-    assert segments(pid) == []  # the first consumer that saw it dead removed the file
-
-
 _CYCLES = """
 import glob, json, os, sys, time
 import ray, torch
@@ -337,3 +323,61 @@ def test_a_driver_that_shuts_down_holding_a_reference_leaves_no_file(
     assert done.returncode == 0, done.stderr[-3000:]
     rounds = [[1, 0, 0]] * 4 + [[1, 1, 1], [0]]
     assert json.loads(done.stdout.splitlines()[-1]) == rounds, done.stdout
+
+
+def test_odd_views_reach_a_consumer_and_the_driver_whole(
+    pool: tuple[Any, list[Any], int],
+) -> None:
+    producer, consumers, pid = pool
+    ref = producer.carried.remote()
+    assert ray.get(consumers[0].run.remote(odd_tensors.stripped, ref), timeout=60) == []
+    assert odd_tensors.stripped(ray.get(ref, timeout=60)) == []
+    del ref
+    assert flat(pid, consumers) == ([], [0, 0, 0])
+
+
+@pytest.mark.parametrize("kind", list(odd_tensors.REFUSED))
+def test_a_tensor_the_transport_cannot_carry_whole_is_refused_at_the_put(kind: str) -> None:
+    why = odd_tensors.REFUSED[kind]
+    tensors = [torch.ones(2), odd_tensors.refused(kind)]
+    with pytest.raises(TypeError, match=f"{SHM!r} cannot move tensor 1 of the object whole: {why}"):
+        ray.put(tensors, _tensor_transport=SHM)
+    assert segments(os.getpid()) == []
+    assert not any(map(odd_tensors.rdt_holds_tensor, tensors))
+
+
+def test_a_method_that_returns_one_fails_its_task_and_its_consumers(
+    pool: tuple[Any, list[Any], int],
+) -> None:
+    producer, consumers, pid = pool
+    ref = producer.odd.remote("quantized per channel")
+    why = f"{SHM!r} cannot move tensor 1 of the object whole: it is quantized"
+    with pytest.raises(ray.exceptions.RayTaskError, match=why):
+        ray.get(ref, timeout=60)
+    with pytest.raises(ray.exceptions.RayTaskError, match=why):
+        ray.get(consumers[0].run.remote(len, ref), timeout=60)
+    assert segments(pid) == []
+    assert not ray.get(producer.run.remote(odd_tensors.rdt_holds, ref.hex()), timeout=60)
+
+
+def test_a_producer_that_dies_is_an_error_in_every_consumer(
+    pool: tuple[Any, list[Any], int],
+) -> None:
+    producer, consumers, pid = pool
+    doomed = Producer.remote()
+    ref = doomed.weights.remote(6, 10, 30.0)  # dies before it returns
+    pending = [c.check.remote(ref, 6, 10) for c in consumers]
+    time.sleep(0.5)
+    ray.kill(doomed)
+    for task in pending:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(task, timeout=30)
+    ref = producer.weights.remote(7, 10)
+    ray.wait([ref], timeout=RAY_TIMEOUT_S)
+    assert len(segments(pid)) == 1
+    ray.kill(producer)  # dies after it returned: its file is still there
+    wait_dead(pid)
+    for consumer in consumers:
+        with pytest.raises(ray.exceptions.RayTaskError, match=rf"\(pid {pid}\) died"):
+            ray.get(consumer.check.remote(ref, 7, 10), timeout=30)
+    assert segments(pid) == []  # the first consumer that saw it dead removed the file

@@ -31,6 +31,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 from collective.ray_plugins import remote_read, segment
+from collective.ray_plugins.carried import refuse_uncarried
 from collective.ray_plugins.cuda_buffer import CudaIpcMetadata
 from collective.ray_plugins.cuda_gpus import Gpus, TorchGpus
 from collective.ray_plugins.cuda_objects import CudaObjects
@@ -132,12 +133,14 @@ class ShmTransport(TensorTransportManager):
         call's metadata.
 
         Raises:
-            TypeError: the tensors are not all dense CPU tensors, nor all on one GPU.
+            TypeError: the tensors are not all dense CPU tensors, nor all on one GPU, or
+                one holds what the transport cannot carry (``carried``); nothing is left.
             OSError: ``/dev/shm`` is full or not writable; no file is left.
 
         """
         import torch
 
+        refuse_uncarried(obj_id, rdt_object, SHM_NAME)
         on_gpu = list(map(self._cuda.gpus.holds, rdt_object))
         if any(on_gpu) and all(on_gpu):
             return self._cuda.publish(obj_id, rdt_object)
