@@ -70,19 +70,24 @@ def publish(store: RendezvousStore, rank: int, count: int, last: str = "") -> No
     _write(store, _count_key(rank), count, last)
 
 
-def settle(store: RendezvousStore, rank: int, count: int, last: str = "") -> None:
+def settle(store: RendezvousStore, rank: int, count: int, last: str = "") -> bool:
     """Leave ``rank``'s final op count and last op for askers once it stops answering.
 
     Written when its group is destroyed; never raises.
+
+    Returns:
+        Whether the store took it.
+
     """
-    _write(store, _final_key(rank), count, last)
+    return _write(store, _final_key(rank), count, last)
 
 
-def _write(store: RendezvousStore, key: str, count: int, last: str) -> None:
+def _write(store: RendezvousStore, key: str, count: int, last: str) -> bool:
     try:
         store.set(key, f"{count}\n{last}".encode())
     except (CollectiveError, TimeoutError, RuntimeError):
-        return
+        return False
+    return True
 
 
 def _answer(store: RendezvousStore, peer: int, wait: timedelta) -> bytes:

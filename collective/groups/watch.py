@@ -187,18 +187,17 @@ class FailureWatch:
 
         The rank's op count is final from here on, and still true: it is left in the
         store for the ranks that ask after the thread has ended (``progress.settle``),
-        and published once more for a query that rang as it ended. A second call
-        does nothing.
+        and published once more for a query that rang as it ended (unless the store
+        could not be reached).
         """
-        if self._stopped:
-            return
         self._stopped = True
         count, last = self._op_count(), self._last_op()
-        progress.settle(self._store, self._rank, count, last)
+        reached = progress.settle(self._store, self._rank, count, last)
         if self._thread.is_alive():
             try:
                 self._store.set(abort_key(self._rank), _STOP)
             except (CollectiveError, TimeoutError, RuntimeError):
                 pass
             self._thread.join(_JOIN_S)
-        progress.publish(self._store, self._rank, count, last)
+        if reached:
+            progress.publish(self._store, self._rank, count, last)
