@@ -25,6 +25,7 @@ from ray.experimental.collective import (
 import collective as col
 from collective.ray_plugins import wire
 from collective.ray_plugins.hook import runtime_env
+from tests import odd_tensors
 from tests.conftest import RAY_TIMEOUT_S, SharedCluster, live_groups
 
 TRANSPORT = "COLLECTIVE"
@@ -56,6 +57,17 @@ class _Trainer:
     @ray.method(tensor_transport=TRANSPORT)
     def weights(self, seed: int) -> dict[str, torch.Tensor]:
         return state_dict(seed)
+
+    @ray.method(tensor_transport=TRANSPORT)
+    def odd(self, kind: str) -> list[Any]:
+        return [torch.ones(2), odd_tensors.refused(kind)]
+
+    @ray.method(tensor_transport=TRANSPORT)
+    def carried(self) -> dict[str, Any]:
+        return odd_tensors.carried()
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
 
     def alive(self) -> bool:
         return True
@@ -198,6 +210,35 @@ def test_a_receiver_that_dies_ends_the_transfer_and_the_producer_goes_on(
     assert ray.get(rollouts[0].check.remote(ref, 5), timeout=RAY_TIMEOUT_S)["wrong"] == []
     destroy_collective_group(again)
     assert handle.name not in live_groups()
+
+
+def test_odd_views_reach_every_receiver_whole_as_plain_dense_tensors(
+    pool: tuple[Any, list[Any]],
+) -> None:
+    """Conjugate and negative views among them: a big one moves alone, resolved."""
+    trainer, rollouts = pool
+    handle = _group([trainer, rollouts[0]])
+    try:
+        ref = trainer.carried.remote()
+        assert ray.get(rollouts[0].run.remote(odd_tensors.stripped, ref), timeout=60) == []
+    finally:
+        destroy_collective_group(handle)
+
+
+@pytest.mark.parametrize("kind", ["quantized per tensor", "sparse coo", "meta"])
+def test_a_tensor_the_transport_cannot_carry_whole_fails_the_producers_task(
+    pool: tuple[Any, list[Any]], kind: str
+) -> None:
+    trainer, rollouts = pool
+    handle = _group([trainer, rollouts[0]])
+    try:
+        ref = trainer.odd.remote(kind)
+        why = f"{TRANSPORT!r} cannot move tensor 1 of the object whole: "
+        with pytest.raises(ray.exceptions.RayTaskError, match=why + odd_tensors.REFUSED[kind]):
+            ray.get(rollouts[0].run.remote(len, ref), timeout=60)
+        assert not ray.get(trainer.run.remote(odd_tensors.rdt_holds, ref.hex()), timeout=60)
+    finally:
+        destroy_collective_group(handle)
 
 
 def test_layout_moves_every_tensor_once_aligned_and_bounded() -> None:

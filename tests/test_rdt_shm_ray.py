@@ -9,6 +9,10 @@ and the consumers' mappings are checked flat after the objects are dropped.
 from __future__ import annotations
 
 import glob
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +24,7 @@ import torch
 from ray.experimental import set_target_for_ref
 
 import collective as col
+from tests import odd_tensors
 from tests.conftest import RAY_TIMEOUT_S, SharedCluster
 
 SHM = "COLLECTIVE_SHM"
@@ -87,6 +92,14 @@ class _Producer:
     @ray.method(tensor_transport=SHM)
     def pair(self) -> list[torch.Tensor]:
         return [torch.arange(10.0), torch.ones(3, 4, dtype=torch.int32)]
+
+    @ray.method(tensor_transport=SHM)
+    def odd(self, kind: str) -> list[Any]:
+        return [torch.ones(2), odd_tensors.refused(kind)]
+
+    @ray.method(tensor_transport=SHM)
+    def carried(self) -> dict[str, Any]:
+        return odd_tensors.carried()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
@@ -266,6 +279,85 @@ def test_a_consumer_that_dies_holding_the_object_leaves_it_to_the_others(
     assert [c["wrong"] for c in checks] == [[], [], []]
     del ref
     assert flat(pid, consumers) == ([], [0, 0, 0])
+
+
+_CYCLES = """
+import glob, json, os, sys, time
+import ray, torch
+import collective as col
+
+col.register_shm_transport()
+mine, counts = f"/dev/shm/collective-{os.getpid()}-*", []
+for cycle in range(5):
+    ray.init(address=sys.argv[1], namespace="rdt-shm-cycles", log_to_driver=False)
+    x = torch.full((1024,), float(cycle))
+    ref = ray.put(x, _tensor_transport="COLLECTIVE_SHM")
+    assert torch.equal(ray.get(ref, timeout=60), x)
+    made = len(glob.glob(mine))
+    # The last round keeps the session's node handle, as code that keeps Ray's
+    # internals might: its file then goes at the next ray.init.
+    kept = ray._private.worker.global_worker.node if cycle == 4 else None
+    ray.shutdown()  # the reference is still alive
+    at_shutdown = len(glob.glob(mine))
+    del ref
+    counts.append([made, at_shutdown, len(glob.glob(mine))])
+ray.init(address=sys.argv[1], namespace="rdt-shm-cycles", log_to_driver=False)
+counts.append([len(glob.glob(mine))])
+ray.shutdown()
+print(json.dumps(counts))
+"""
+
+
+def test_a_driver_that_shuts_down_holding_a_reference_leaves_no_file(
+    pool: tuple[Any, list[Any], int], shared_cluster: SharedCluster
+) -> None:
+    """Five rounds of init, put, shutdown with the reference alive, then the reference dropped.
+
+    The file goes at the shutdown, or at the next ``ray.init`` when the session's end
+    went unseen. A fresh driver process: it counts only its own files, before it exits.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _CYCLES, shared_cluster.address],
+        capture_output=True, text=True, timeout=RAY_TIMEOUT_S * 3, env=os.environ,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = [[1, 0, 0]] * 4 + [[1, 1, 1], [0]]
+    assert json.loads(done.stdout.splitlines()[-1]) == rounds, done.stdout
+
+
+def test_odd_views_reach_a_consumer_and_the_driver_whole(
+    pool: tuple[Any, list[Any], int],
+) -> None:
+    producer, consumers, pid = pool
+    ref = producer.carried.remote()
+    assert ray.get(consumers[0].run.remote(odd_tensors.stripped, ref), timeout=60) == []
+    assert odd_tensors.stripped(ray.get(ref, timeout=60)) == []
+    del ref
+    assert flat(pid, consumers) == ([], [0, 0, 0])
+
+
+@pytest.mark.parametrize("kind", list(odd_tensors.REFUSED))
+def test_a_tensor_the_transport_cannot_carry_whole_is_refused_at_the_put(kind: str) -> None:
+    why = odd_tensors.REFUSED[kind]
+    tensors = [torch.ones(2), odd_tensors.refused(kind)]
+    with pytest.raises(TypeError, match=f"{SHM!r} cannot move tensor 1 of the object whole: {why}"):
+        ray.put(tensors, _tensor_transport=SHM)
+    assert segments(os.getpid()) == []
+    assert not any(map(odd_tensors.rdt_holds_tensor, tensors))
+
+
+def test_a_method_that_returns_one_fails_its_task_and_its_consumers(
+    pool: tuple[Any, list[Any], int],
+) -> None:
+    producer, consumers, pid = pool
+    ref = producer.odd.remote("quantized per channel")
+    why = f"{SHM!r} cannot move tensor 1 of the object whole: it is quantized"
+    with pytest.raises(ray.exceptions.RayTaskError, match=why):
+        ray.get(ref, timeout=60)
+    with pytest.raises(ray.exceptions.RayTaskError, match=why):
+        ray.get(consumers[0].run.remote(len, ref), timeout=60)
+    assert segments(pid) == []
+    assert not ray.get(producer.run.remote(odd_tensors.rdt_holds, ref.hex()), timeout=60)
 
 
 def test_a_producer_that_dies_is_an_error_in_every_consumer(

@@ -10,14 +10,24 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import pytest
 
 from collective.groups import progress
+from collective.groups.base import BaseGroup
+from collective.groups.cpu.group import CpuGroup
+from collective.groups.cpu.running import CpuRunning
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.watch import FailureWatch
 from collective.rendezvous.incarnation import IncarnationStore
 from collective.rendezvous.store import TCPRendezvousStore, report_failure
 from collective.types import AllReduceOptions, CollectiveError, CollectiveTimeoutError
-from tests.test_gloo_group import GROUP_TIMEOUT, _client_store, _master_store, _run_threads
+from tests.test_gloo_group import (
+    GROUP_TIMEOUT,
+    Absence,
+    _client_store,
+    _master_store,
+    _run_threads,
+)
 
 JOIN_S = 60.0
 
@@ -191,3 +201,199 @@ def test_a_timeout_line_names_who_joined_who_never_did_and_whose_op_was_another(
     )
     unnamed = progress.describe(0, 2, counts, [], "did not answer", lasts)
     assert "another" not in unnamed and "joined it (op 2 of the group): [0, 1, 3]" in unnamed
+
+
+# --- a rank that destroyed its group still answers: its final count stays in the store ------
+
+
+class _RungThenStopped(TCPRendezvousStore):
+    """A store whose watcher, once its abort key is rung, reads it only after ``stop`` wrote.
+
+    It stands for a watch thread scheduled late on a rank that destroys its group at
+    once: the query lands, then the stop marker replaces it, before the thread reads.
+    """
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.rung = threading.Event()
+        self._stop_written = threading.Event()
+
+    def set(self, key: str, value: bytes) -> None:
+        super().set(key, value)
+        if key == "abort/0" and not progress.is_query(value):
+            self._stop_written.set()
+
+    def watcher(self) -> TCPRendezvousStore:
+        outer = self
+
+        class Late(TCPRendezvousStore):
+            def get(self, key: str, timeout: timedelta) -> bytes:
+                super().get(key, timeout)
+                outer.rung.set()
+                outer._stop_written.wait(JOIN_S)
+                return super().get(key, timeout)
+
+        return Late(self._store.clone())
+
+
+def _plain_watches(master: Any, counts: list[int], first: int = 0) -> list[FailureWatch]:
+    """Start a FailureWatch for each rank from ``first`` on; rank r has issued ``counts[r]``."""
+    return [
+        FailureWatch(
+            TCPRendezvousStore(_client_store(master, GROUP_TIMEOUT)),
+            rank,
+            len(counts),
+            "final",
+            functools.partial(int, count),
+            last_op=functools.partial(str, "allreduce"),
+        )
+        for rank, count in enumerate(counts)
+        if rank >= first
+    ]
+
+
+def test_a_rank_that_destroyed_before_it_was_asked_leaves_its_final_count() -> None:
+    master = _master_store()
+    watches = _plain_watches(master, [5, 5, 4])
+    try:
+        watches[0].stop()
+        start = time.monotonic()
+        line = watches[1].progress(5, timedelta(seconds=3), "allreduce")
+        took = time.monotonic() - start
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert line == (
+        "ranks that joined it (op 5 of the group): [0, 1]; ranks that never joined it: [2] "
+        "(rank 2 has issued 4 ops, the last allreduce)"
+    ), line
+    assert took < 2.5, f"the answer of a destroyed rank was waited for ({took:.2f} s)"
+
+
+def test_a_rank_that_destroys_while_it_is_asked_still_answers() -> None:
+    master = _master_store()
+    late = _RungThenStopped(_client_store(master, GROUP_TIMEOUT))
+    watches = [FailureWatch(late, 0, 3, "final", functools.partial(int, 5))]
+    watches += _plain_watches(master, [5, 5, 4], first=1)
+    lines: list[str] = []
+    try:
+        asker = threading.Thread(target=lambda: lines.append(watches[1].progress(5)))
+        asker.start()
+        assert late.rung.wait(JOIN_S)
+        watches[0].stop()  # the stop marker replaces the query before the thread reads it
+        asker.join(JOIN_S)
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert lines == [
+        "ranks that joined it (op 5 of the group): [0, 1]; ranks that never joined it: [2] "
+        "(rank 2 has issued 4 ops, the last allreduce)"
+    ], lines
+
+
+class _AsksAfter(TCPRendezvousStore):
+    """A rank's store whose progress queries start only once ``event`` is set."""
+
+    def __init__(self, store: Any, event: threading.Event) -> None:
+        super().__init__(store)
+        self._event = event
+
+    def delete(self, key: str) -> None:
+        if key.startswith("progress/count/"):  # an asker's first step
+            self._event.wait(JOIN_S)
+        super().delete(key)
+
+
+def _time_out_and_destroy(
+    group: BaseGroup, timeout: timedelta, destroyed: threading.Event, late: Absence
+) -> str:
+    """Return the error of an allreduce that times out; destroy at once (rank 0: say so)."""
+    with pytest.raises(CollectiveTimeoutError) as timed_out:
+        group.allreduce([np.ones(8)], AllReduceOptions(timeout=timeout))
+    group.destroy_group()
+    if group.rank == 0:
+        destroyed.set()
+    late.done()
+    return str(timed_out.value)
+
+
+def test_ranks_that_ask_after_a_peer_destroyed_name_only_the_late_rank() -> None:
+    """4 ranks, 2 s timeout, rank 3 late but alive; ranks 0-2 time out and destroy at once.
+
+    Ranks 1 and 2 ask how far the others got only after rank 0 has destroyed its
+    group (and rank 1 perhaps after rank 2 has): each still names rank 3 alone.
+    """
+    master, world_size, timeout = _master_store(), 4, timedelta(seconds=2)
+    destroyed = threading.Event()
+    together = threading.Barrier(world_size - 1)
+    late = Absence(present=world_size - 1)
+
+    def rank(r: int) -> str:
+        client = master if r == 0 else _client_store(master, GROUP_TIMEOUT)
+        store = _AsksAfter(client, destroyed) if r in (1, 2) else TCPRendezvousStore(client)
+        group = GlooGroup(world_size, r, "late", store, GROUP_TIMEOUT, host="127.0.0.1")
+        try:
+            group.allreduce([np.ones(8)], AllReduceOptions())  # every rank: op 1
+            if r == 3:
+                late.stay()
+                with pytest.raises(CollectiveError) as raised:
+                    group.allreduce([np.ones(8)], AllReduceOptions(timeout=timeout))
+                return str(raised.value)
+            together.wait(JOIN_S)
+            return _time_out_and_destroy(group, timeout, destroyed, late)
+        finally:
+            group.destroy_group()
+
+    messages = _run_threads([functools.partial(rank, r) for r in range(world_size)], JOIN_S)
+    for r, message in enumerate(messages[:3]):
+        assert f"timed out on rank {r} after" in message, message
+        assert message.endswith(
+            "ranks that joined it (op 2 of the group): [0, 1, 2]; ranks that never joined it: "
+            "[3] (rank 3 has issued 1 ops, the last allreduce)"
+        ), message
+    # Rank 3 comes late to op 2: its group heard of the first timeout and is unusable.
+    assert "unusable" in messages[3], messages[3]
+    assert "was aborted on rank 3: rank " in messages[3], messages[3]
+    assert "reported: allreduce on group 'late' timed out on rank " in messages[3], messages[3]
+
+
+def test_on_shared_memory_a_rank_reads_the_count_of_a_peer_that_destroyed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The counts are words in the arena: a peer's stays readable after it unmapped it.
+
+    Rank 1 times out first (0.5 s) but reads the counts only once rank 0 has timed
+    out (1 s: nobody told it yet) and destroyed its group; rank 2 never comes.
+    """
+    destroyed = threading.Event()
+    laggards = CpuRunning._laggards
+
+    def after_rank_0(self: CpuRunning, stalled: int | None = None) -> str:
+        if self.rank == 1:
+            destroyed.wait(JOIN_S)
+        return laggards(self, stalled)
+
+    monkeypatch.setattr(CpuRunning, "_laggards", after_rank_0)
+    master, late = _master_store(), Absence(present=2)
+
+    def rank(r: int) -> str | None:
+        client = master if r == 0 else _client_store(master, GROUP_TIMEOUT)
+        store = TCPRendezvousStore(client)
+        group = CpuGroup(3, r, "shm-late", store, GROUP_TIMEOUT, slot_bytes=256)
+        try:
+            group.allreduce([np.ones(8)], AllReduceOptions())
+            if r == 2:
+                late.stay()
+                return None
+            timeout = timedelta(seconds=1.0 if r == 0 else 0.5)
+            return _time_out_and_destroy(group, timeout, destroyed, late)
+        finally:
+            group.destroy_group()
+
+    messages = _run_threads([functools.partial(rank, r) for r in range(3)], JOIN_S)
+    for r, message in enumerate(messages[:2]):
+        assert f"timed out on rank {r} after {1 if r == 0 else 0.5}s" in message, message
+        assert message.endswith(
+            "ranks that joined it (op 2 of the group): [0, 1]; ranks that never joined it: [2] "
+            "(rank 2 has issued 1 ops)"
+        ), message

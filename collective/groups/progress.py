@@ -10,6 +10,12 @@ that another rank's query or a failure report overwrote before it was read, is
 followed by a count written after it was asked. A peer whose count is below the
 number of the op that timed out never joined that op.
 
+A rank that destroys its group stops answering, but its count is final then: it
+leaves it under a final key that askers never delete (``settle``), before its watch
+thread ends, and publishes it once more under its count key after. An asker rings,
+then reads the final key, and waits for the count key only where there is none: it
+gets an answer whether the peer destroyed before, while or after it was asked.
+
 Point-to-point ops are not counted: two ranks issue them, so counts would differ.
 """
 
@@ -55,12 +61,39 @@ def _count_key(rank: int) -> str:
     return f"progress/count/{rank}"
 
 
+def _final_key(rank: int) -> str:
+    return f"progress/final/{rank}"
+
+
 def publish(store: RendezvousStore, rank: int, count: int, last: str = "") -> None:
     """Write ``rank``'s op count and last op under its count key, for askers; never raises."""
+    _write(store, _count_key(rank), count, last)
+
+
+def settle(store: RendezvousStore, rank: int, count: int, last: str = "") -> bool:
+    """Leave ``rank``'s final op count and last op for askers once it stops answering.
+
+    Written when its group is destroyed; never raises.
+
+    Returns:
+        Whether the store took it.
+
+    """
+    return _write(store, _final_key(rank), count, last)
+
+
+def _write(store: RendezvousStore, key: str, count: int, last: str) -> bool:
     try:
-        store.set(_count_key(rank), f"{count}\n{last}".encode())
+        store.set(key, f"{count}\n{last}".encode())
     except (CollectiveError, TimeoutError, RuntimeError):
-        return
+        return False
+    return True
+
+
+def _answer(store: RendezvousStore, peer: int, wait: timedelta) -> bytes:
+    """Return ``peer``'s final count if it has stopped, else its answer within ``wait``."""
+    final = store.peek(_final_key(peer))
+    return final if final is not None else store.get(_count_key(peer), wait)
 
 
 def ask(
@@ -102,7 +135,7 @@ def ask(
     for peer in asked:
         left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         try:
-            count, _, last = store.get(_count_key(peer), left).decode().partition("\n")
+            count, _, last = _answer(store, peer, left).decode().partition("\n")
             counts[peer] = int(count)
             lasts[peer] = last
         except (CollectiveError, TimeoutError, RuntimeError, ValueError):

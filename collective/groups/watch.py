@@ -9,7 +9,8 @@ When the key is set, the thread records the failure, and every wait of that
 rank's ops sees it within one wait slice (50 ms). Any text but a progress query
 (``progress.py``) or the stop marker counts as a failure report, whoever wrote it;
 the first one is kept. Each time it wakes, the thread deletes the key, publishes the
-rank's op count for the ranks asking, and goes on watching, until the stop marker.
+rank's op count for the ranks asking, and goes on watching, until the stop marker;
+then the rank's final count stays in the store for later askers.
 """
 
 from __future__ import annotations
@@ -182,11 +183,21 @@ class FailureWatch:
                 return False, None
 
     def stop(self) -> None:
-        """End the watch thread; the group no longer hears of other ranks' failures."""
+        """End the watch thread; the group no longer hears of other ranks' failures.
+
+        The rank's op count is final from here on, and still true: it is left in the
+        store for the ranks that ask after the thread has ended (``progress.settle``),
+        and published once more for a query that rang as it ended (unless the store
+        could not be reached).
+        """
         self._stopped = True
+        count, last = self._op_count(), self._last_op()
+        reached = progress.settle(self._store, self._rank, count, last)
         if self._thread.is_alive():
             try:
                 self._store.set(abort_key(self._rank), _STOP)
             except (CollectiveError, TimeoutError, RuntimeError):
                 pass
             self._thread.join(_JOIN_S)
+        if reached:
+            progress.publish(self._store, self._rank, count, last)

@@ -18,9 +18,7 @@ device buffer, shared by CUDA IPC with consumers on the producer's node and GPU.
 
 from __future__ import annotations
 
-import atexit
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,9 +31,11 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 from collective.ray_plugins import remote_read, segment
+from collective.ray_plugins.carried import refuse_uncarried
 from collective.ray_plugins.cuda_buffer import CudaIpcMetadata
 from collective.ray_plugins.cuda_gpus import Gpus, TorchGpus
 from collective.ray_plugins.cuda_objects import CudaObjects
+from collective.ray_plugins.held import HeldFiles
 from collective.ray_plugins.names import SHM_NAME
 from collective.ray_plugins.reads import Read, Reads
 from collective.types import ArgumentTypeError, CollectiveError
@@ -105,10 +105,8 @@ class ShmTransport(TensorTransportManager):
     def __init__(self, gpus: Gpus | None = None) -> None:
         """Start with no object held and no read in flight; CUDA tensors on ``gpus``' GPUs."""
         self._cuda = CudaObjects(gpus or TorchGpus())
-        self._lock = threading.Lock()
-        self._held: dict[str, ShmMetadata] = {}
+        self._held = HeldFiles()
         self._reads = Reads()
-        atexit.register(self._unlink_all)
 
     def tensor_transport_backend(self) -> str:
         """Return the default transport name; any name registered to this class works alike."""
@@ -135,12 +133,14 @@ class ShmTransport(TensorTransportManager):
         call's metadata.
 
         Raises:
-            TypeError: the tensors are not all dense CPU tensors, nor all on one GPU.
+            TypeError: the tensors are not all dense CPU tensors, nor all on one GPU, or
+                one holds what the transport cannot carry (``carried``); nothing is left.
             OSError: ``/dev/shm`` is full or not writable; no file is left.
 
         """
         import torch
 
+        refuse_uncarried(obj_id, rdt_object, SHM_NAME)
         on_gpu = list(map(self._cuda.gpus.holds, rdt_object))
         if any(on_gpu) and all(on_gpu):
             return self._cuda.publish(obj_id, rdt_object)
@@ -157,8 +157,7 @@ class ShmTransport(TensorTransportManager):
                 f"{t.device} among tensors on {sorted({str(x.device) for x in rdt_object})}"
             )
         metas = [(t.shape, t.dtype) for t in rdt_object]
-        with self._lock:
-            held = self._held.get(obj_id)
+        held = self._held.get(obj_id)
         if held is not None:
             return held
         if not rdt_object:
@@ -170,8 +169,7 @@ class ShmTransport(TensorTransportManager):
             metas, "cpu", obj_id=obj_id, path=path, size=size, node_id=_node_id(), pid=pid,
             started=segment.started(pid) or 0, table=table,
         )  # fmt: skip
-        with self._lock:
-            self._held[obj_id] = meta
+        self._held.add(obj_id, meta, path)
         return meta
 
     def get_communicator_metadata(
@@ -311,10 +309,7 @@ class ShmTransport(TensorTransportManager):
     def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
         """Unlink the object's file, or free its GPU buffer: consumers that read it keep theirs."""
         self._cuda.free(obj_id)
-        with self._lock:
-            held = self._held.pop(obj_id, None)
-        if held is not None:
-            segment.unlink(held.path)
+        self._held.release(obj_id)
 
     def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
         """End this process's reads of the object in flight; each raises ``CollectiveError``.
@@ -328,13 +323,6 @@ class ShmTransport(TensorTransportManager):
         for read in self._reads.abort(obj_id):
             if read.ref is not None:
                 ray.cancel(read.ref)
-
-    def _unlink_all(self) -> None:
-        """Unlink every file this process still holds, as it exits."""
-        with self._lock:
-            held, self._held = self._held, {}
-        for meta in held.values():
-            segment.unlink(meta.path)
 
 
 def _checked(meta: Any) -> ShmMetadata:

@@ -26,6 +26,7 @@ from ray.experimental.rdt.collective_tensor_transport import (
 
 from collective.ray_plugins import wire
 from collective.ray_plugins.backend import RayGroup, is_ours, ray_group
+from collective.ray_plugins.carried import refuse_uncarried
 from collective.ray_plugins.names import DEFAULT_NAME
 from collective.registry import held, queries
 from collective.types import CollectiveError
@@ -71,8 +72,10 @@ class CollectiveTransport(CollectiveTensorTransport):
 
         Raises:
             ValueError: the tensors are on devices of different types.
+            TypeError: a tensor holds what the transport cannot carry (``carried``).
 
         """
+        refuse_uncarried(obj_id, rdt_object, DEFAULT_NAME)
         meta = super().extract_tensor_transport_metadata(obj_id, rdt_object)
         return ObjectMetadata(meta.tensor_meta, meta.tensor_device, obj_id=obj_id)
 

@@ -92,15 +92,15 @@ def send(
 ) -> None:
     """Send ``tensors`` (torch tensors on one device) to ``dst_rank`` of ``group_name``.
 
-    The tensors are only read. The header goes through CPU group ``control`` (which
-    may be ``group_name``). ``recv`` on ``dst_rank`` with the same ``obj_id`` and
-    metadata receives them.
+    The tensors are only read; conjugate and negative views go resolved. The header
+    goes through CPU group ``control`` (which may be ``group_name``). ``recv`` on
+    ``dst_rank`` with the same ``obj_id`` and metadata receives them.
     """
     metas = [(t.shape, t.dtype) for t in tensors]
     collectives.send(header(obj_id, metas), dst_rank, control, timeout=timeout)
     for message in layout(metas):
         if message.direct is not None:
-            x = tensors[message.direct].contiguous()
+            x = tensors[message.direct].resolve_conj().resolve_neg().contiguous()
             collectives.send(as_bytes(x), dst_rank, group_name, timeout=timeout)
             continue
         staging = Staging(tensors[0], message.nbytes)
