@@ -54,9 +54,10 @@ import bisect
 import itertools
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,23 @@ class ClockTimeoutError(AssertionError):
     """A host wait on the clock passed its bound: a real GPU would wait there forever."""
 
 
+def bounded_wait(
+    cond: threading.Condition, done: Callable[[], bool], what: str, bound_s: float
+) -> None:
+    """Wait on ``cond`` (held) until ``done()``; raise ``ClockTimeoutError`` after ``bound_s``.
+
+    ``what`` says what never happened, for where a real GPU or NCCL would wait forever.
+    """
+    deadline = time.monotonic() + bound_s
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ClockTimeoutError(
+                f"{what} within {bound_s} s: a real GPU would wait here forever"
+            )
+        cond.wait(min(left, 0.05))
+
+
 def cuda_error(status: int) -> CUDARuntimeError:
     """Return cupy's error for CUDA status ``status``."""
     return CUDARuntimeError(status)
@@ -119,6 +137,8 @@ class _Stream:
     handle: int
     device: int
     blocking: bool
+    process: int = 0
+    legacy: bool = False
     queue: deque[Item] = field(default_factory=deque)
     queued: int = 0
     finished: int = 0
@@ -186,7 +206,7 @@ class DeviceClock:
         """The least time every kernel takes, from when its stream reaches it."""
         self._cond = threading.Condition()
         self._streams: dict[int, _Stream] = {}
-        self._legacy: dict[int, int] = {}
+        self._legacy: dict[tuple[int, int], int] = {}
         self._events: dict[int, _Event] = {}
         self._meetings: dict[Any, _Meeting] = {}
         self._paused = 0
@@ -217,15 +237,19 @@ class DeviceClock:
                 raise ValueError(f"stream {handle:#x} is a stream of GPU {found.device}")
         return handle
 
-    def legacy(self, device: int) -> int:
-        """Return the handle of GPU ``device``'s legacy stream."""
+    def legacy(self, device: int, process: int = 0) -> int:
+        """Return the handle of GPU ``device``'s legacy stream in ``process`` (see ``process``)."""
         self._device_ok(device)
         with self._cond:
-            handle = self._legacy.get(device)
+            handle = self._legacy.get((process, device))
             if handle is None:
-                handle = self._legacy[device] = next(_handles)
-                self._streams[handle] = _Stream(handle, device, True)
+                handle = self._legacy[(process, device)] = next(_handles)
+                self._streams[handle] = _Stream(handle, device, True, process, legacy=True)
             return handle
+
+    def process(self) -> Process:
+        """Return a new process on this machine: its own stream handles, the same GPUs."""
+        return Process(self)
 
     def _stream(self, stream: int, device: int) -> _Stream:
         """Return the stream ``stream`` names with ``device`` current (lock held)."""
@@ -245,7 +269,7 @@ class DeviceClock:
         """Destroy ``stream``: its queued work still runs; the handle then fails (400)."""
         with self._cond:
             found = self._stream(stream, device)
-            if found.handle in self._legacy.values():
+            if found.legacy:
                 raise cuda_error(INVALID_RESOURCE_HANDLE)
             found.destroyed = True
 
@@ -446,15 +470,7 @@ class DeviceClock:
             return SUCCESS if s.finished == s.queued else NOT_READY
 
     def _wait(self, done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.bound_s
-        while not done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ClockTimeoutError(
-                    f"{what} did not finish within {self.bound_s} s: a real GPU would wait "
-                    "here forever"
-                )
-            self._cond.wait(min(left, 0.05))
+        bounded_wait(self._cond, done, f"{what} did not finish", self.bound_s)
 
     def stream_synchronize(self, stream: int, device: int = 0) -> None:
         """Wait (bounded) until everything queued on ``stream`` so far has run."""
@@ -500,7 +516,7 @@ class DeviceClock:
         """Make ``stream`` capture a graph, started by the calling thread in ``mode``."""
         with self._cond:
             s = self._stream(stream, device)
-            if s.handle in self._legacy.values() or s.capture is not None:
+            if s.legacy or s.capture is not None:
                 raise cuda_error(STREAM_CAPTURE_UNSUPPORTED)
             s.capture = _Capture(mode, threading.get_ident())
 
@@ -530,8 +546,10 @@ class DeviceClock:
         """
         with self._cond:
             s = self._stream(stream, device)
-            if s.handle in self._legacy.values() and any(
-                o.capture is not None and o.blocking and o.device == s.device
+            if s.legacy and any(
+                o.capture is not None
+                and o.blocking
+                and (o.device, o.process) == (s.device, s.process)
                 for o in self._streams.values()
             ):
                 raise cuda_error(STREAM_CAPTURE_IMPLICIT)
@@ -597,7 +615,7 @@ class DeviceClock:
                 found = self._next(time.monotonic())
                 if found is None:
                     busy = any(s.queue for s in self._streams.values())
-                    self._cond.wait(0.003 if busy and not self._paused else 0.1)
+                    self._cond.wait(0.003 if busy and not self._paused else 1.0)
                     continue
                 s, item = found
                 if not item.cancelled and item.run is not None:
@@ -615,6 +633,112 @@ class DeviceClock:
                 self._cond.notify_all()
 
 
+_processes = itertools.count(1)
+
+
+class Process:
+    """One process's view of a ``DeviceClock``: its own stream handles on shared GPUs.
+
+    Ranks of a test that stand for separate processes each take one: stream 0 is this
+    process's legacy stream of the current device, and ``adopt_stream`` maps a handle
+    the process sees (torch's or cupy's current stream) to a stream of its own, so two
+    processes that both see handle ``h`` queue on different streams, as on a real
+    machine. Events, memory and everything else are the machine's, shared (as CUDA IPC
+    shares them). The methods are the clock's, taking this process's handles.
+    """
+
+    def __init__(self, clock: DeviceClock) -> None:
+        """Start a process on ``clock`` with no stream of its own yet."""
+        self.clock = clock
+        self.id = next(_processes)
+        self._aliases: dict[int, int] = {}
+
+    def _s(self, stream: int, device: int) -> int:
+        if stream in LEGACY_HANDLES:
+            return self.clock.legacy(device, self.id)
+        return self._aliases.get(stream, stream)
+
+    def adopt_stream(self, handle: int, device: int, *, non_blocking: bool = False) -> int:
+        """Make ``handle`` name a new stream of GPU ``device`` in this process; return it."""
+        made = self.clock.create_stream(device, non_blocking=non_blocking)
+        with self.clock._cond:
+            self.clock._streams[made].process = self.id
+        self._aliases[handle] = made
+        return handle
+
+    def create_stream(self, device: int, *, non_blocking: bool = True) -> int:
+        """Return a new stream of GPU ``device`` in this process."""
+        made = self.clock.create_stream(device, non_blocking=non_blocking)
+        with self.clock._cond:
+            self.clock._streams[made].process = self.id
+        return made
+
+    def legacy(self, device: int) -> int:
+        """Return the handle of this process's legacy stream of GPU ``device``."""
+        return self.clock.legacy(device, self.id)
+
+    def stream_device(self, stream: int, device: int = 0) -> int:
+        return self.clock.stream_device(self._s(stream, device), device)
+
+    def destroy_stream(self, stream: int, device: int = 0) -> None:
+        self.clock.destroy_stream(self._s(stream, device), device)
+
+    def create_event(self, device: int) -> int:
+        return self.clock.create_event(device)
+
+    def destroy_event(self, event: int) -> None:
+        self.clock.destroy_event(event)
+
+    def record(self, event: int, stream: int, device: int = 0) -> None:
+        self.clock.record(event, self._s(stream, device), device)
+
+    def wait_event(self, stream: int, event: int, device: int = 0) -> None:
+        self.clock.wait_event(self._s(stream, device), event, device)
+
+    def submit(self, stream: int, run: Callable[[], None] | None = None, **kw: Any) -> Item:
+        return self.clock.submit(self._s(stream, kw.get("device", 0)), run, **kw)
+
+    def delay(self, stream: int, seconds: float, *, device: int = 0, tag: Any = None) -> Item:
+        return self.clock.delay(self._s(stream, device), seconds, device=device, tag=tag)
+
+    def gate(self, stream: int, *, device: int = 0) -> Gate:
+        return self.clock.gate(self._s(stream, device), device=device)
+
+    def meet(self, stream: int, key: Any, parties: int, payload: Any, **kw: Any) -> Item:
+        resolved = self._s(stream, kw.get("device", 0))
+        return self.clock.meet(resolved, key, parties, payload, **kw)
+
+    def query(self, event: int) -> int:
+        return self.clock.query(event)
+
+    def stream_query(self, stream: int, device: int = 0) -> int:
+        return self.clock.stream_query(self._s(stream, device), device)
+
+    def stream_synchronize(self, stream: int, device: int = 0) -> None:
+        self.clock.stream_synchronize(self._s(stream, device), device)
+
+    def event_synchronize(self, event: int) -> None:
+        self.clock.event_synchronize(event)
+
+    def device_synchronize(self, device: int) -> None:
+        self.clock.device_synchronize(device)
+
+    def begin_capture(self, stream: int, device: int = 0, mode: int = GLOBAL) -> None:
+        self.clock.begin_capture(self._s(stream, device), device, mode)
+
+    def end_capture(self, stream: int, device: int = 0) -> list[str]:
+        return self.clock.end_capture(self._s(stream, device), device)
+
+    def capture_status(self, stream: int, device: int = 0) -> int:
+        return self.clock.capture_status(self._s(stream, device), device)
+
+    def hold(self, stream: int, device: int = 0) -> AbstractContextManager[None]:
+        return self.clock.hold(self._s(stream, device), device)
+
+    def cancel(self, tag: Any) -> int:
+        return self.clock.cancel(tag)
+
+
 class Memory:
     """Stand-in device memory: host bytes at real addresses, found by address."""
 
@@ -622,20 +746,29 @@ class Memory:
         """Start with no allocation."""
         self._lock = threading.Lock()
         self._bases: list[int] = []
-        self._arrays: dict[int, np.ndarray] = {}
+        self._arrays: dict[int, Callable[[], np.ndarray | None]] = {}
 
     def alloc(self, nbytes: int) -> int:
-        """Return the address of ``nbytes`` new zeroed bytes (at least one)."""
+        """Return the address of ``nbytes`` new zeroed bytes (at least one), kept until ``free``."""
         array = np.zeros(max(nbytes, 1), np.uint8)
-        return self.adopt(array)
+        return self._add(array, lambda: array)
 
     def adopt(self, array: np.ndarray) -> int:
-        """Make ``array``'s bytes (contiguous) known by their address; return it."""
+        """Make ``array``'s bytes (contiguous) known by their address while it lives; return it."""
+        ref = weakref.ref(array)
+
+        def flat() -> np.ndarray | None:
+            found = ref()
+            return None if found is None else found.view(np.uint8).reshape(-1)
+
+        return self._add(array.view(np.uint8).reshape(-1), flat)
+
+    def _add(self, array: np.ndarray, ref: Callable[[], np.ndarray | None]) -> int:
         base = int(array.ctypes.data)
         with self._lock:
             if base not in self._arrays:
                 bisect.insort(self._bases, base)
-            self._arrays[base] = array.view(np.uint8).reshape(-1)
+            self._arrays[base] = ref
         return base
 
     def free(self, ptr: int) -> None:
@@ -645,13 +778,17 @@ class Memory:
                 self._bases.remove(ptr)
 
     def view(self, ptr: int, nbytes: int) -> np.ndarray | None:
-        """Return the ``nbytes`` at ``ptr`` as uint8, or None if no allocation holds them."""
+        """Return the ``nbytes`` at ``ptr`` as uint8, or None if no live allocation holds them."""
         with self._lock:
             i = bisect.bisect_right(self._bases, ptr) - 1
             if i < 0:
                 return None
             base = self._bases[i]
-            array = self._arrays[base]
+            array = self._arrays[base]()
+            if array is None:
+                del self._arrays[base]
+                self._bases.pop(i)
+                return None
         if ptr + nbytes > base + array.size:
             return None
         return array[ptr - base : ptr - base + nbytes]
