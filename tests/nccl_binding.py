@@ -115,6 +115,8 @@ class Trace:
     call); a queued NCCL call on memory freed meanwhile."""
     nccl_version: int | None = None
     """What ``get_version`` says, if set; the real NCCL's otherwise."""
+    on_call: Callable[[Entry], None] | None = None
+    """Called inside each communicator call, on its thread, after the binding checked it."""
     issuing: dict[int, dict[int, Any]] = field(default_factory=dict)
     """The threads inside an NCCL op call now, by GPU: thread -> communicator."""
 
@@ -365,6 +367,8 @@ class CheckedCommunicator:
                 if exc.status != INVALID_ARGUMENT or self.closed or self.trace.let_through(entry):
                     self.groups.failed = self.groups.depth > 0
                     raise
+            if self.trace.on_call is not None:
+                self.trace.on_call(entry)
             if name == "check_async_error":
                 return
             if self.world is None:  # NCCL refuses a call on an uninitialised communicator

@@ -146,7 +146,9 @@ def contract_ranks(
     """
     monkeypatch.setattr(nccl_comm, "_probe", _probe)
     monkeypatch.setattr(cuda_buffers, "cupy_stream", caller_stream)
-    monkeypatch.setattr(nccl_watchdog, "exchange_capture_mode", device_clock.exchange_capture_mode)
+    monkeypatch.setattr(
+        nccl_watchdog, "exchange_capture_mode", device_clock.exchange_capture_mode, raising=False
+    )
     made: list[Ranks] = []
 
     def make(
@@ -169,3 +171,10 @@ def contract_ranks(
 def on_this_thread(cupy: ContractCupy) -> None:
     """Make ``cupy`` the one the backend sees from the calling thread."""
     _local.cupy = cupy
+
+
+@pytest.fixture(name="ranks")
+def ranks_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
+    """The fixture ``ranks``: ``contract_ranks``' maker; import it into a test module."""
+    with contract_ranks(monkeypatch) as make:
+        yield make

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,15 +28,10 @@ from collective.types import (
 )
 from tests.device_clock import NOT_READY
 from tests.nccl_binding import DeviceArray, chunks
-from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
+from tests.nccl_threads import CONTRACT, Ranks, caller_stream, ranks_fixture
 
 pytestmark = CONTRACT
-
-
-@pytest.fixture
-def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
-    with contract_ranks(monkeypatch) as make:
-        yield make
+__all__ = ["ranks_fixture"]  # the fixture ``ranks``
 
 
 def _allreduce(rank: int, g: Any, x: DeviceArray) -> None:
