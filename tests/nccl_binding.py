@@ -647,20 +647,34 @@ H2D, D2H = 1, 2
 copies between host and GPU (its words up, once per launch, and each result down)."""
 
 
+def check_calls(entries: list[Entry]) -> list[tuple[Entry, Entry, Entry]]:
+    """Return each signature check in ``entries``: its allreduce, copy to the host and event.
+
+    Only a check copies from the GPU to the host, right after its allreduce and right
+    before its event, on one thread (other threads' calls may come between).
+    """
+    found = []
+    for e in entries:
+        if e.name == "memcpyAsync" and e.args[3] == D2H:
+            mine = [f for f in entries if f.thread == e.thread]
+            at = mine.index(e)
+            if at + 1 == len(mine):
+                continue  # its event is not recorded yet
+            start = max(j for j in range(at) if mine[j].name == "allReduce")
+            found.append((mine[start], e, mine[at + 1]))
+    return found
+
+
 def without_checks(entries: list[Entry]) -> list[Entry]:
     """Return ``entries`` less the signature checks: the upload of a launch's words, and
-    each check's allreduce, its copy to the host and its event.
-
-    Only a check copies from the GPU to the host, right after its allreduce.
+    each check's allreduce, its copy to the host and its event (see ``check_calls``).
     """
-    entries = [e for e in entries if not (e.name == "memcpyAsync" and e.args[3] == H2D)]
-    kept = list(entries)
-    for i, e in enumerate(entries):
-        if e.name == "memcpyAsync" and e.args[3] == D2H:
-            start = max(j for j in range(i) if entries[j].name == "allReduce")
-            drop = {start, i, i + 1}
-            kept = [k for k in kept if k not in [entries[j] for j in drop]]
-    return kept
+    dropped = {id(e) for check in check_calls(entries) for e in check}
+    return [
+        e
+        for e in entries
+        if id(e) not in dropped and not (e.name == "memcpyAsync" and e.args[3] == H2D)
+    ]
 
 
 def group_blocks(entries: list[Entry]) -> Iterator[list[Entry]]:

@@ -30,7 +30,16 @@ from collective.types import (
     ReduceOp,
     ReduceOptions,
 )
-from tests.nccl_binding import D2H, H2D, NOT_READY, ContractCupy, DeviceArray, Entry, real_nccl
+from tests.nccl_binding import (
+    D2H,
+    H2D,
+    NOT_READY,
+    ContractCupy,
+    DeviceArray,
+    Entry,
+    check_calls,
+    real_nccl,
+)
 from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
 
 pytestmark = CONTRACT
@@ -46,18 +55,16 @@ def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
 
 def checks(cupy: ContractCupy) -> list[tuple[Entry, Entry, Entry]]:
     """Return each signature check a rank made: its allreduce, copy to the host and event."""
-    entries = cupy.trace.entries
-    found = []
-    for i, e in enumerate(entries):
-        if e.name == "memcpyAsync" and e.args[3] == D2H:
-            start = max(j for j in range(i) if entries[j].name == "allReduce")
-            found.append((entries[start], e, entries[i + 1]))
-    return found
+    with cupy.trace.lock:
+        entries = list(cupy.trace.entries)
+    return check_calls(entries)
 
 
 def hold_checks(r: Ranks, others: int = 0) -> set[int]:
     """Keep each check's event pending until ``play_nccl`` has written its result.
 
+    A played check's event then says what the device clock says: the host never sees a
+    check finished before the device has run it (and may still be reading its words).
     Returns the set of played events; every other event reports ``others``.
     """
     played: set[int] = set()
@@ -65,7 +72,7 @@ def hold_checks(r: Ranks, others: int = 0) -> set[int]:
 
         def status(handle: int, real: int, cupy: ContractCupy = cupy) -> int:
             if handle in {event.args[0] for _, _, event in checks(cupy)}:
-                return 0 if handle in played else NOT_READY
+                return cupy.gpu.query(handle) if handle in played else NOT_READY
             return others
 
         cupy.trace.event_status = status
@@ -73,15 +80,21 @@ def hold_checks(r: Ranks, others: int = 0) -> set[int]:
 
 
 def play_nccl(r: Ranks, played: set[int], k: int = -1) -> np.ndarray:
-    """Reduce the k-th check of every rank as NCCL would; write it where each copy lands."""
+    """Reduce the k-th check of every rank as NCCL would; check that the stand-in's NCCL
+    wrote that where each copy lands, once the device has run it; let the events say so.
+    """
     made = [checks(c)[k] for c in r.cupys]
     sent = [
         c.uploaded(call.args[0], call.args[2])
         for c, (call, _, _) in zip(r.cupys, made, strict=True)
     ]
     reduced = np.max(np.stack(sent), axis=0).astype(np.int64)
-    for _, copy, event in made:
-        ctypes.memmove(copy.args[0], reduced.ctypes.data, reduced.nbytes)
+    for cupy, (_, copy, event) in zip(r.cupys, made, strict=True):
+        cupy.gpu.event_synchronize(event.args[0])
+        landed = np.frombuffer(
+            (ctypes.c_char * reduced.nbytes).from_address(copy.args[0]), np.int64
+        )
+        assert (landed == reduced).all(), "the stand-in's NCCL reduced other words"
         played.add(event.args[0])
     return reduced
 

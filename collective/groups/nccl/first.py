@@ -78,6 +78,8 @@ class FirstUse:
         base = f"{self._prefix}/{first.comm}/{k}"
         mine = repr(first.kind).encode()
         self._store.set(f"{base}/{self._rank}", mine)
+        if k >= 2:  # every member read it: each has published k - 1 since
+            self._store.delete(f"{self._prefix}/{first.comm}/{k - 2}/{self._rank}")
         deadline = time.monotonic() + timeout.total_seconds()
         for member in first.members:
             if member == self._rank:

@@ -297,10 +297,12 @@ class NcclLifecycle(BaseGroup):
             events = [e for pending in self._inflight for e in pending[0]]
         events += self._watch.pending()
         self._watch.stopped = True
-        try:
-            finished = wait_events(self._cuda, events, self._probe, _ABORT_GRACE)
-        except RuntimeError:
-            finished = False
+        finished = False
+        if not self._guard.ended:  # else a failure aborted the communicators already
+            try:
+                finished = wait_events(self._cuda, events, self._probe, _ABORT_GRACE)
+            except RuntimeError:
+                finished = False
         if not finished:
             release_communicators(self._cuda, comms, [], False, self.timeout, self._guard)
 

@@ -80,11 +80,6 @@ class Marker:
         self.free: list[Any] = []
         """Events of ops seen finished, to reuse."""
 
-    @property
-    def deadline(self) -> float | None:
-        """Return the earliest deadline of the pending ops, None when none is pending."""
-        return min((p.deadline for p in self.pending), default=None)
-
 
 class Watch:
     """The markers of one group, and what to do when one of its ops fails or hangs.
@@ -167,16 +162,16 @@ class Watch:
         cuda = self._cuda
         pending = marker.pending
         deadline = time.monotonic() + timeout.total_seconds()
-        if len(pending) >= PENDING_KEPT:  # the newest entry stands for this op too
-            last = pending[-1]
-            event = last.event
-            if deadline < last.deadline:
-                last.deadline, last.op, last.timeout, last.number = deadline, op, timeout, number
-        else:
-            with cuda.Device(marker.device):
-                event = marker.free.pop() if marker.free else cuda.Event(disable_timing=True)
-            pending.append(Pending(event, deadline, op, timeout, number))
         with cuda.Device(marker.device):
+            if len(pending) >= PENDING_KEPT:  # the newest entry stands for this op too
+                last = pending[-1]
+                event = last.event
+                if deadline < last.deadline:
+                    last.deadline, last.op, last.timeout = deadline, op, timeout
+                    last.number = number
+            else:
+                event = marker.free.pop() if marker.free else cuda.Event(disable_timing=True)
+                pending.append(Pending(event, deadline, op, timeout, number))
             cuda.runtime.eventRecord(event.ptr, marker.stream)
         if len(pending) == 1 and not self.patrolled:
             WATCHDOG.wake(self)
@@ -241,6 +236,8 @@ class Watch:
 
     def _end(self, failed: Pending | None, exc: BaseException) -> None:
         self.stopped = True
+        for marker in self.markers.values():  # the group fails: none of its ops is awaited
+            marker.pending.clear()
         if failed is None:
             self._fail("nccl op", timedelta(0), exc, 0)
         else:
