@@ -111,8 +111,13 @@ class IssueLocks:
 
         ``cuda`` is cupy's CUDA namespace, whose runtime names the process.
         """
+        chosen = sorted(set(devices))
+        if len(chosen) == 1:  # the common case, without a stack
+            with self._of(cuda, chosen[0]):
+                yield
+            return
         with ExitStack() as stack:
-            for device in sorted(set(devices)):
+            for device in chosen:
                 stack.enter_context(self._of(cuda, device))
             yield
 
