@@ -4,7 +4,8 @@
 the caller's current stream on GPU d the handle ``caller_stream(d)`` (without a GPU
 there is none), then hands out ``Ranks``: one NCCLGroup per rank on a torch TCPStore,
 built and driven in one thread per rank so that the ranks meet and exchange unique
-IDs as they would in separate processes.
+IDs as they would in separate processes. The ranks' GPUs run on one ``DeviceClock``
+(``Ranks.clock``), as the GPUs of one machine, on which every caller stream exists.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import torch.distributed as dist
 
 from collective.frameworks import cuda_buffers
 from collective.groups.nccl import comm as nccl_comm
+from collective.groups.nccl import watchdog as nccl_watchdog
 from collective.groups.nccl.group import NCCLGroup
 from collective.rendezvous.store import TCPRendezvousStore
-from tests.nccl_binding import ContractCupy, no_driver
+from tests import device_clock
+from tests.device_clock import DeviceClock
+from tests.nccl_binding import DEVICES, ContractCupy, no_driver
 
 CONTRACT = [
     pytest.mark.nccl_contract,
@@ -57,7 +61,14 @@ class Ranks:
     def __init__(
         self, world_size: int, timeout: timedelta, cupys: list[ContractCupy] | None = None
     ) -> None:
-        self.cupys = cupys or [ContractCupy() for _ in range(world_size)]
+        if cupys is None:
+            clock = DeviceClock(DEVICES)
+            cupys = [ContractCupy(clock) for _ in range(world_size)]
+        self.cupys = cupys
+        self.clock = cupys[0].clock
+        for cupy in cupys:
+            for device in range(DEVICES):
+                cupy.gpu.adopt_stream(caller_stream(device), device)
         master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
         clients = [
             dist.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=30))
@@ -114,6 +125,15 @@ class Ranks:
         for group in self.groups:
             group.destroy_group()
 
+    def misuse(self) -> list[str]:
+        """Return what every rank did that NCCL or CUDA forbids (``Trace.misuse``)."""
+        return [m for c in self.cupys for m in c.trace.misuse]
+
+    def close(self) -> None:
+        """Stop the ranks' device clocks."""
+        for clock in {c.clock for c in self.cupys}:
+            clock.close()
+
 
 @contextmanager
 def contract_ranks(
@@ -126,6 +146,9 @@ def contract_ranks(
     """
     monkeypatch.setattr(nccl_comm, "_probe", _probe)
     monkeypatch.setattr(cuda_buffers, "cupy_stream", caller_stream)
+    monkeypatch.setattr(
+        nccl_watchdog, "exchange_capture_mode", device_clock.exchange_capture_mode, raising=False
+    )
     made: list[Ranks] = []
 
     def make(
@@ -141,8 +164,17 @@ def contract_ranks(
     finally:
         for ranks in made:
             ranks.destroy()
+        for ranks in made:
+            ranks.close()
 
 
 def on_this_thread(cupy: ContractCupy) -> None:
     """Make ``cupy`` the one the backend sees from the calling thread."""
     _local.cupy = cupy
+
+
+@pytest.fixture(name="ranks")
+def ranks_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
+    """The fixture ``ranks``: ``contract_ranks``' maker; import it into a test module."""
+    with contract_ranks(monkeypatch) as make:
+        yield make

@@ -139,9 +139,9 @@ def test_a_repeated_list_call_describes_nothing_and_finds_its_nccl_launch_once(
             again = [e.name for e in without_checks(r.cupys[0].trace.entries) if e.thread == me]
             assert len(described) == first, f"{op}: a cached call described a buffer again"
             assert nccl_keys == [], f"{op}: a cached call looked its NCCL launch up again"
-            assert [n for n in again if n != "eventQuery"] == [
-                n for n in one if n != "eventQuery"
-            ] * 3, op
+            polls = ("eventQuery", "check_async_error")  # as often as the device takes
+            kept = [n for n in again if n not in polls]
+            assert kept == [n for n in one if n not in polls] * 3, op
     finally:
         col.destroy_collective_group(name)
 
@@ -149,16 +149,23 @@ def test_a_repeated_list_call_describes_nothing_and_finds_its_nccl_launch_once(
 def test_a_list_call_first_made_while_capturing_is_built_again_after_the_capture(
     ranks: Callable[..., Ranks],
 ) -> None:
-    """A launch built during capture has no watchdog marker: no later call may reuse it."""
+    """A launch built during capture has no watchdog marker: no later call may reuse it.
+
+    The op ran once before the capture (on other buffers): its communicators exist.
+    """
     r = ranks(1)
     name = _registered(r)
     x, out = DeviceArray(SHAPE, "float32"), DeviceArray(SHAPE, "float32")
     trace, me = r.cupys[0].trace, threading.get_ident()
     try:
+        col.allgather([DeviceArray(SHAPE, "float32")], DeviceArray(SHAPE, "float32"), name)
+        r.clear()
         trace.capturing.add(caller_stream(0))
-        col.allgather([out], x, name)
+        try:
+            col.allgather([out], x, name)
+        finally:
+            trace.capturing.clear()
         assert not [e for e in trace.named("eventRecord") if e.thread == me]
-        trace.capturing.clear()
         r.clear()
         col.allgather([out], x, name)
         names = [e.name for e in without_checks(trace.entries) if e.thread == me]
@@ -210,6 +217,7 @@ def test_another_buffer_stream_or_option_builds_its_own_launch(
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions(ReduceOp.MAX)))
     r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=0)))
     monkeypatch.setattr(cuda_buffers, "cupy_stream", lambda device: 0xBEEF)
+    r.cupys[0].gpu.adopt_stream(0xBEEF, 0)
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions()))
     entries = without_checks(r.cupys[0].trace.entries)
     calls = [(e.name, e.args) for e in entries if e.name in ("allReduce", "broadcast")]
