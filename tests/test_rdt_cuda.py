@@ -13,6 +13,7 @@ logged, and the stood-in GPU holds no allocation or event once the objects are f
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import time
@@ -26,7 +27,7 @@ from collective.ray_plugins import shm_transport
 from collective.ray_plugins.cuda_buffer import ALIGN, CudaIpcMetadata
 from collective.ray_plugins.shm_transport import ShmCommunicatorMetadata, ShmTransport
 from collective.types import CollectiveError, CollectiveTimeoutError
-from tests.shared_gpu_standin import HostDevice, HostGpu
+from tests.shared_gpu_standin import HostDevice, HostGpu, gpu_tensor
 
 STREAM = 0x5A5A
 """The current stream every stood-in process reports."""
@@ -35,24 +36,33 @@ SIDE = 0x5151
 """The side stream every stood-in process reads on."""
 
 
-class QueryDevice(HostDevice):
-    """A ``HostDevice`` that answers ``query``: complete, unless the GPU is held ``stuck``."""
+class Stuck:
+    """A switch that holds the stood-in GPU still: nothing runs on it while set."""
 
-    def __init__(self, gpu: HostGpu, rank: int, stuck: threading.Event) -> None:
-        super().__init__(gpu, rank)
-        self.stuck = stuck
+    def __init__(self, gpu: HostGpu) -> None:
+        self._gpu = gpu
+        self._held: contextlib.ExitStack | None = None
 
-    def query(self, event: int) -> bool:
-        with self.gpu.lock:
-            if event not in self.gpu.events:
-                self.gpu.misuse.append(f"rank {self.rank} queried a destroyed event")
-        return not self.stuck.is_set()
+    def set(self) -> None:
+        if self._held is None:
+            self._held = contextlib.ExitStack()
+            self._held.enter_context(self._gpu.clock.paused())
+
+    def clear(self) -> None:
+        """Let the GPU run again, and wait until it has caught up."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
+            self._gpu.clock.run_until_idle()
+
+    def is_set(self) -> bool:
+        return self._held is not None
 
 
 class StandinGpus:
-    """One process's GPUs: ``QueryDevice``s by UUID; CPU tensors stand for CUDA ones."""
+    """One process's GPUs: ``HostDevice``s by UUID; CPU tensors stand for CUDA ones."""
 
-    def __init__(self, devices: list[QueryDevice], node: str = "node-a") -> None:
+    def __init__(self, devices: list[HostDevice], node: str = "node-a") -> None:
         self.devices = {d.uuid(): d for d in devices}
         self.node = node
         self.on_host: set[int] = set()
@@ -63,10 +73,10 @@ class StandinGpus:
     def holds(self, tensor: Any) -> bool:
         return id(tensor) not in self.on_host
 
-    def device(self, tensor: Any) -> QueryDevice:
+    def device(self, tensor: Any) -> HostDevice:
         return self.devices[self.placed.get(id(tensor), next(iter(self.devices)))]
 
-    def find(self, uuid: str) -> QueryDevice | None:
+    def find(self, uuid: str) -> HostDevice | None:
         return self.devices.get(uuid)
 
     def uuids(self) -> list[str]:
@@ -79,7 +89,7 @@ class StandinGpus:
         return SIDE
 
     def empty(self, nbytes: int, device: Any) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return gpu_tensor(nbytes)  # memory the stood-in GPU knows as its own
 
     def node_id(self) -> str:
         return self.node
@@ -90,8 +100,8 @@ class Machine:
 
     def __init__(self, consumers: int = 3) -> None:
         self.gpu = HostGpu("GPU-standin-0@0000:3b:00")
-        self.stuck = threading.Event()
-        self.devices = [QueryDevice(self.gpu, r, self.stuck) for r in range(consumers + 1)]
+        self.stuck = Stuck(self.gpu)
+        self.devices = [HostDevice(self.gpu, r) for r in range(consumers + 1)]
         self.gpus = [StandinGpus([d]) for d in self.devices]
         self.transports = [ShmTransport(gpus=g) for g in self.gpus]
 
@@ -183,7 +193,7 @@ def test_every_consumer_reads_every_byte_and_waits_on_the_producers_last_record(
 def test_a_consumer_reads_into_its_buffers(machine: Machine) -> None:
     want = tensors(2, small=5)
     meta = machine.publish("obj", want)
-    into = [torch.full(t.shape, 7, dtype=t.dtype) for t in want]
+    into = [gpu_tensor(torch.full(t.shape, 7, dtype=t.dtype)) for t in want]
     got = read(machine.consumers[0], meta, into)
     assert all(g is i for g, i in zip(got, into, strict=True))
     assert mismatches(got, want) == []
@@ -337,7 +347,7 @@ def test_another_node_or_another_gpu_is_a_clear_error(machine: Machine) -> None:
     with pytest.raises(CollectiveError, match=r"lies in GPU memory of node node-a.*node node-b"):
         read(machine.consumers[0], meta)
     other = HostGpu("GPU-other@0000:5e:00")
-    machine.gpus[2].devices = {other.uuid: QueryDevice(other, 2, machine.stuck)}
+    machine.gpus[2].devices = {other.uuid: HostDevice(other, 2)}
     with pytest.raises(CollectiveError, match=r"lies on GPU GPU-standin-0.*does not see"):
         read(machine.consumers[1], meta)
     assert machine.open_anywhere() == [(0, 0)] * 4
@@ -351,7 +361,7 @@ def test_mixed_devices_in_one_object_are_refused(machine: Machine) -> None:
         machine.producer.extract_tensor_transport_metadata("obj", [cuda, host])
     second = HostGpu("GPU-standin-1@0000:5e:00")
     elsewhere = torch.ones(3)
-    machine.gpus[0].devices[second.uuid] = QueryDevice(second, 0, machine.stuck)
+    machine.gpus[0].devices[second.uuid] = HostDevice(second, 0)
     machine.gpus[0].placed[id(elsewhere)] = second.uuid
     with pytest.raises(TypeError, match="on one GPU"):
         machine.producer.extract_tensor_transport_metadata("obj", [cuda, elsewhere])
