@@ -365,6 +365,7 @@ class HostDevice:
         self._adopted: set[int] = set()
         self._ends: dict[int, int] = {}
         """Per stream: a private event recorded as each ``on_stream`` block ends."""
+        self._stalls: dict[tuple[int, str], threading.Event] = {}
 
     # --- streams -----------------------------------------------------------------------------
 
@@ -388,7 +389,23 @@ class HostDevice:
                 with gpu.lock:
                     gpu.misuse.append(f"rank {rank}'s {name} failed on the device: {exc!r}")
 
-        self.process.submit(self._handle(stream), guarded, device=self.gpu.index, name=name)
+        handle = self._handle(stream)
+        with self._lock:
+            stall = self._stalls.pop((stream, name), None)
+        if stall is not None:
+            self.process.submit(handle, device=self.gpu.index, name="stall", ready=stall.is_set)
+        self.process.submit(handle, guarded, device=self.gpu.index, name=name)
+
+    def stall_next(self, stream: int, name: str) -> threading.Event:
+        """Hold the next ``name`` work (a "copy", a "write") queued on ``stream`` until set.
+
+        A kernel of unknown length lands on the stream just ahead of that work, as a
+        busy stream's would: what the stream queued before it runs, the rest waits.
+        """
+        opened = threading.Event()
+        with self._lock:
+            self._stalls[(stream, name)] = opened
+        return opened
 
     def stream_synchronize(self, stream: int) -> None:
         """Wait (bounded by the clock) until ``stream``'s queued work has run."""

@@ -194,16 +194,24 @@ class SharedGpu:
         """Run ``op(*args)`` with its array operations on ``stream``.
 
         With ``collective``, ``op`` takes collective steps (a method of ``collectives``,
-        or ``broadcast_list``), which then order ``stream`` too; the caller runs one
-        such op at a time. Else ``op`` is a send or a receive, given its stream itself.
+        or ``broadcast_list``), which then order ``stream`` too, after the previous such
+        op's work whatever its stream (``DeviceSteps.use``); the caller runs one such op
+        at a time. Else ``op`` is a send or a receive, given its stream itself.
         """
         steps = self.steps
         if steps is None:
             raise RuntimeError("the shared-GPU transport is closed")
         with self.device.on_stream(stream):
-            if collective:
-                steps.stream = stream
-            return op(*args)
+            if not collective:
+                return op(*args)
+            steps.use(stream)
+            try:
+                result = op(*args)
+            except BaseException:
+                steps.end(quiet=True)
+                raise
+            steps.end()
+            return result
 
     def broadcast_list(self, message: ByteList, root: int, deadline: float) -> None:
         """Copy local rank ``root``'s ``message`` (device memory) into every other rank's.
