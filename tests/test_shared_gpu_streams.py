@@ -1,4 +1,4 @@
-"""The shared-GPU transport when a rank's ops run on different streams, on the device clock.
+"""The shared-GPU transport when a rank's ops run on several streams, on the device clock.
 
 A real GPU runs each stream's work later, in order; the stand-in does too
 (``shared_gpu_standin``), so an op whose device work is not ordered after the previous
@@ -8,12 +8,17 @@ op's shows wrong bytes here, as it would on a GPU. The GPU test of the same scen
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
+from cupy.cuda.runtime import CUDARuntimeError
 
+from collective.groups.shared_gpu.device import CudaDevice
 from collective.groups.shared_gpu.transport import SharedGpu
+from tests.device_clock import DeviceClock, Process
 from tests.shared_gpu_standin import HostDevice, HostGpu, device_bytes
 from tests.test_shared_gpu import SLOT_BYTES, _deadline, run_gpu
 
@@ -63,3 +68,64 @@ def test_a_read_queued_on_a_busy_stream_is_not_overwritten_by_an_op_on_another_s
         want = _message(10 * op + root, sizes[op])
         for rank in range(2):
             np.testing.assert_array_equal(results[rank][op], want, err_msg=f"op {op + 1}")
+
+
+class ClockRuntime:
+    """The CUDA runtime calls ``CudaDevice.settle`` makes, on a device clock's process."""
+
+    eventDisableTiming = 2  # noqa: N815 (cupy's names)
+    eventInterprocess = 4  # noqa: N815
+    CUDARuntimeError = CUDARuntimeError
+
+    def __init__(self, process: Process) -> None:
+        self.process = process
+        self.events: set[int] = set()
+        """The events made and not destroyed."""
+
+    def getDevice(self) -> int:  # noqa: N802
+        return 0
+
+    def eventCreateWithFlags(self, flags: int) -> int:  # noqa: N802
+        event = self.process.create_event(0)
+        self.events.add(event)
+        return event
+
+    def eventRecord(self, event: int, stream: int) -> None:  # noqa: N802
+        self.process.record(event, stream, 0)
+
+    def eventQuery(self, event: int) -> int:  # noqa: N802
+        return self.process.query(event)
+
+    def eventDestroy(self, event: int) -> None:  # noqa: N802
+        self.process.destroy_event(event)
+        self.events.discard(event)
+
+
+def test_settle_waits_for_work_on_a_stream_its_user_destroyed_and_never_records_on_it() -> None:
+    """The review's L5: ``settle`` recorded an event on every stream ops had run on, and a
+    stream its user destroyed since made that record fail (CUDA: invalid handle), so the
+    destroy raised and left the slots allocated. Its queued work still runs, and settle
+    must wait for it, within its bound."""
+    clock = DeviceClock(1)
+    try:
+        process = clock.process()
+        runtime = ClockRuntime(process)
+        cupy = SimpleNamespace(
+            cuda=SimpleNamespace(
+                runtime=runtime,
+                Device=lambda device: contextlib.nullcontext(),
+                Stream=SimpleNamespace(from_external=lambda handle: contextlib.nullcontext()),
+            )
+        )
+        device = CudaDevice(cupy)
+        stream = process.create_stream(0)
+        gate = process.gate(stream)  # the op's work waits behind a long kernel
+        with device.on_stream(stream):
+            process.submit(stream, name="the op's copy")
+        process.destroy_stream(stream)  # the user's cudaStreamDestroy: the work still runs
+        assert device.settle(0.1) is False
+        gate.open()
+        assert device.settle(5.0) is True
+        assert runtime.events == set()  # its own events destroyed once done
+    finally:
+        clock.close()

@@ -90,6 +90,9 @@ class CudaIpcDevice(CudaDevice):
             self._uuid = super().uuid()
         return self._uuid
 
+    def _end(self, stream: int) -> None:
+        """Mark nothing as an ``on_stream`` block ends: a read waits on its own events."""
+
     def query(self, event: int) -> bool:
         """Return whether ``event`` has completed: ``cudaEventQuery`` is success, not not-ready.
 
