@@ -88,7 +88,14 @@ html_context = {"default_mode": "light"}
 SECTIONS = {
     "get-started": ["install", "quickstart", "examples"],
     "how-to": ["weight-sync", "elastic", "nccl", "inside-ray", "migration", "debugging"],
-    "reference": ["api", "backends", "support-matrix", "environment", "troubleshooting"],
+    "reference": [
+        "api",
+        "backends",
+        "support-matrix",
+        "gpu-status",
+        "environment",
+        "troubleshooting",
+    ],
     "explanation": [
         "concepts",
         "data-movement",
