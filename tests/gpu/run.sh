@@ -82,11 +82,15 @@ cat "$OUT/env.txt"
 RUN_PARTS="${RUN_PARTS:-tests examples bench}"
 runs() { case " $RUN_PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
+# The tests of the GPU review's findings run first (files given in order run in that order),
+# so that a short loan of a GPU settles them; then every other GPU test file.
+REVIEW_TESTS="tests/gpu/test_shared_gpu_streams.py"
+all_tests="$REVIEW_TESTS $(ls tests/gpu/test_*.py | grep -vxF "$(tr ' ' '\n' <<<"$REVIEW_TESTS")" | tr '\n' ' ')"
 tests_rc=0
 if runs tests; then
     # shellcheck disable=SC2086  # GPU_TESTS holds paths and pytest arguments
     timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -p no:cacheprovider \
-        --confcutdir=tests/gpu -ra --timeout=120 ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest.log"
+        --confcutdir=tests/gpu -v -ra --timeout=120 ${GPU_TESTS:-$all_tests} 2>&1 | tee "$OUT/pytest.log"
     tests_rc=${PIPESTATUS[0]}
 else
     echo "tests: not run (RUN_PARTS=$RUN_PARTS)" | tee "$OUT/pytest.log"
@@ -173,6 +177,9 @@ fi
         head -n "$pytest_lines" "$OUT/pytest.log" | tail -n 40
     fi
     echo '```'
+    echo
+    echo "To record where each GPU feature ran: python -m benchmarks.gpu_results --tests"
+    echo "pytest.log --env env.txt (docs/gpu-status.md; commit it and docs/performance/gpu-runs.json)."
     echo
     echo "## GPU examples (exit $examples_rc)"
     echo
