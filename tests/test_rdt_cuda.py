@@ -14,6 +14,7 @@ logged, and the stood-in GPU holds no allocation or event once the objects are f
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from collective.groups.shm.arena import NAME_PREFIX, SHM_DIR
 from collective.ray_plugins import shm_transport
 from collective.ray_plugins.cuda_buffer import ALIGN, CudaIpcMetadata
 from collective.ray_plugins.shm_transport import ShmCommunicatorMetadata, ShmTransport
@@ -161,6 +163,12 @@ def machine() -> Iterator[Machine]:
     yield m
     m.stuck.clear()
     assert m.gpu.misuse == []
+    assert _leases() == []
+
+
+def _leases() -> list[str]:
+    """Return the lease files of this process's objects (``cuda_leases``)."""
+    return [f for f in os.listdir(SHM_DIR) if f.startswith(f"{NAME_PREFIX}{os.getpid()}-lease-")]
 
 
 def test_every_consumer_reads_every_byte_and_waits_on_the_producers_last_record(
@@ -278,12 +286,9 @@ def test_concurrent_reads_in_one_process_open_the_handle_once(machine: Machine) 
     assert machine.gpu.live() == (0, 0)
 
 
-def test_abort_ends_a_pending_read_and_its_mapping_closes_once_the_copy_completes(
-    machine: Machine,
-) -> None:
-    want = tensors(5, small=2)
-    meta = machine.publish("obj", want)
-    consumer = machine.consumers[0]
+def abort_a_stuck_read(machine: Machine, consumer: ShmTransport, meta: Any) -> tuple[Any, float]:
+    """Hold the GPU, start a read of ``meta`` in a thread, abort it; return its outcome and
+    how long the abort took to end it (the GPU stays held)."""
     machine.stuck.set()
     outcome: list[Any] = []
 
@@ -298,10 +303,20 @@ def test_abort_ends_a_pending_read_and_its_mapping_closes_once_the_copy_complete
     while not consumer._cuda._reads.count():
         time.sleep(0.001)
     start = time.monotonic()
-    consumer.abort_transport("obj", ShmCommunicatorMetadata())
+    consumer.abort_transport(meta.obj_id, ShmCommunicatorMetadata())
     thread.join(timeout=10)
-    assert time.monotonic() - start < 0.5
-    assert str(outcome[0]) == "Ray aborted the read of object obj"
+    return outcome[0], time.monotonic() - start
+
+
+def test_abort_ends_a_pending_read_and_its_mapping_closes_once_the_copy_completes(
+    machine: Machine,
+) -> None:
+    want = tensors(5, small=2)
+    meta = machine.publish("obj", want)
+    consumer = machine.consumers[0]
+    outcome, took = abort_a_stuck_read(machine, consumer, meta)
+    assert took < 0.5
+    assert str(outcome) == "Ray aborted the read of object obj"
     assert machine.open_anywhere()[1] == (1, 1)  # parked: its copy has not completed
     machine.stuck.clear()
     other = machine.publish("other", [torch.ones(3)])
@@ -375,3 +390,26 @@ def test_registering_lets_ray_send_cpu_and_cuda_tensors_through_the_one_name() -
 
     col.register_shm_transport()
     assert util.transport_manager_info["COLLECTIVE_SHM"].devices == ["cpu", "cuda"]
+
+
+def test_the_producer_frees_an_object_only_once_no_parked_read_maps_it(machine: Machine) -> None:
+    """The review's L7: a read that Ray aborted before its copy ran parks its mapping of
+    the producer's buffer; Ray may then garbage-collect the object in the producer. CUDA
+    leaves freeing memory another process still maps undefined: the producer keeps the
+    buffer until the consumer closed its mapping, then frees it at its next call."""
+    want = tensors(6, small=2)
+    meta = machine.publish("obj", want)
+    machine.gpu.clock.run_until_idle()  # the producer's copies are done
+    consumer = machine.consumers[0]
+    outcome, _ = abort_a_stuck_read(machine, consumer, meta)
+    assert isinstance(outcome, CollectiveError)
+    assert machine.open_anywhere()[1] == (1, 1)  # parked: its copy has not run
+    machine.producer.garbage_collect("obj", meta, want)
+    assert machine.gpu.misuse == [], machine.gpu.misuse
+    assert machine.gpu.live()[0] == 1  # the buffer kept: the consumer still maps it
+    machine.stuck.clear()
+    consumer.garbage_collect("unknown", None, [])  # the consumer's next call closes it
+    assert machine.open_anywhere() == [(0, 0)] * 4
+    machine.producer.garbage_collect("unknown", None, [])  # the producer's next call frees it
+    assert machine.gpu.live() == (0, 0)
+    assert machine.gpu.misuse == []
