@@ -168,7 +168,10 @@ class CudaDevice:
         """Return the GPU's UUID and PCI address (the same in every process, whatever its index).
 
         cupy hands the UUID over as a C string, which a zero byte cuts short: the PCI
-        address beside it keeps two GPUs apart all the same.
+        address beside it keeps two GPUs apart all the same. Two MIG instances of one
+        GPU share a PCI address; should their cut UUIDs agree too, ranks on them would
+        take each other for one GPU, and the group's check of its mappings (``verify``)
+        fails it as it is made, before any op.
         """
         props = self._runtime.getDeviceProperties(self.device_id)
         pci = f"{props['pciDomainID']:04x}:{props['pciBusID']:02x}:{props['pciDeviceID']:02x}"
