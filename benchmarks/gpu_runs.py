@@ -35,14 +35,19 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "CUDA graphs": (
         r"test_capture\.py::",
         r"test_watchdog\.py::test_a_(captured|watched_replay)",
+        r"test_review\.py::test_(m1|l2)_",
     ),
-    "The mismatch check": (r"test_watchdog\.py::test_(ranks_that_allreduce_different|check_args)",),
+    "The mismatch check": (
+        r"test_watchdog\.py::test_(ranks_that_allreduce_different|check_args)",
+        r"test_review\.py::test_h1_",
+    ),
     "The watchdog": (
         r"test_watchdog\.py::test_(a_peer_that_never_calls|at_three_ranks|a_watched_replay)",
+        r"test_review\.py::test_(h3|m4|m1)_",
     ),
-    "The shared-GPU transport": (r"test_shared_gpu\.py::", r"test_shared_gpu_streams\.py::"),
+    "The shared-GPU transport": (r"test_shared_gpu\.py::", r"test_review_shared_gpu\.py::"),
     "Several GPUs with shared ones": (r"test_gpu_hierarchy\.py::",),
-    "`*_multigpu` lists": (r"test_public_api\.py::test_multigpu",),
+    "`*_multigpu` lists": (r"test_public_api\.py::test_multigpu", r"test_review\.py::test_m2_"),
     "CUDA RDT (`COLLECTIVE_SHM`)": (r"test_rdt_cuda_ray\.py::",),
     "Routed ops (NCCL multi-rank)": (r"test_gpu_routed\.py::",),
 }

@@ -91,6 +91,22 @@ class ClockTimeoutError(AssertionError):
     """A host wait on the clock passed its bound: a real GPU would wait there forever."""
 
 
+_thread_modes: dict[int, int] = {}
+"""Each thread's capture mode (``cuThreadExchangeStreamCaptureMode``), the process's
+driver state: a thread not in it is in global mode."""
+
+
+def exchange_capture_mode(mode: int) -> int:
+    """Set the calling thread's capture mode (``GLOBAL``, ``THREAD_LOCAL``, ``RELAXED``).
+
+    Returns the previous one, as ``cuThreadExchangeStreamCaptureMode`` does.
+    """
+    me = threading.get_ident()
+    old = _thread_modes.get(me, GLOBAL)
+    _thread_modes[me] = mode
+    return old
+
+
 def bounded_wait(
     cond: threading.Condition, done: Callable[[], bool], what: str, bound_s: float
 ) -> None:
@@ -436,11 +452,15 @@ class DeviceClock:
     def _unsafe(self, call: str) -> None:
         """Fail an unsafe call made during a capture that forbids it; invalidate that capture."""
         me = threading.get_ident()
+        mine = _thread_modes.get(me, GLOBAL)
+        if mine == RELAXED:
+            return
         hit = [
             c
             for s in self._streams.values()
             if (c := s.capture) is not None and c.status == CAPTURE_ACTIVE
-            if (c.mode == GLOBAL and c.thread != me) or (c.thread == me and c.mode != RELAXED)
+            if (c.mode == GLOBAL and c.thread != me and mine == GLOBAL)
+            or (c.thread == me and c.mode != RELAXED)
         ]
         if hit:
             for capture in hit:

@@ -29,6 +29,7 @@ thread, so that tests can check what the backend asked for, value for value.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 import weakref
@@ -106,9 +107,18 @@ class Trace:
     """Stream handles that ``streamIsCapturing`` reports as capturing a CUDA graph, besides
     those that capture on the clock."""
     misuse: list[str] = field(default_factory=list)
-    """What the backend did that NCCL forbids: an abort or destroy of a communicator while
-    another thread is inside an NCCL call on it (NCCL's fault-tolerance and thread-safety
-    rules; through cupy, a use after free)."""
+    """What the backend did that NCCL or CUDA forbids: an abort or destroy of a communicator
+    while another thread is inside an NCCL call on it (NCCL's fault-tolerance and
+    thread-safety rules; through cupy, a use after free); NCCL ops issued from two threads
+    at once on independent communicators of one GPU; a communicator left to the garbage
+    collector (cupy's ``__dealloc__`` calls ``ncclCommDestroy``, which every rank must
+    call); a queued NCCL call on memory freed meanwhile."""
+    nccl_version: int | None = None
+    """What ``get_version`` says, if set; the real NCCL's otherwise."""
+    on_call: Callable[[Entry], None] | None = None
+    """Called inside each communicator call, on its thread, after the binding checked it."""
+    issuing: dict[int, dict[int, Any]] = field(default_factory=dict)
+    """The threads inside an NCCL op call now, by GPU: thread -> communicator."""
 
     def add(self, entry: Entry) -> Entry:
         with self.lock:
@@ -313,12 +323,37 @@ class CheckedCommunicator:
         return self.trace.add(entry)
 
     def _enter(self, name: str) -> None:
+        me = threading.get_ident()
         with self._lock:
-            self.inside[threading.get_ident()] = name
+            self.inside[me] = name
+        if name == "check_async_error":
+            return
+        trace = self.trace
+        with trace.lock:
+            issuing = trace.issuing.setdefault(self.device or 0, {})
+            others = [c for t, c in issuing.items() if t != me and c is not self]
+            issuing[me] = self
+        if others:
+            trace.misuse.append(
+                f"{name} issued on GPU {self.device or 0} while another thread issues on "
+                "another communicator of that GPU (NCCL: not thread-safe)"
+            )
 
     def _leave(self) -> None:
+        me = threading.get_ident()
         with self._lock:
-            self.inside.pop(threading.get_ident(), None)
+            self.inside.pop(me, None)
+        with self.trace.lock:
+            issuing = self.trace.issuing.get(self.device or 0, {})
+            if issuing.get(me) is self:
+                del issuing[me]
+
+    def __del__(self) -> None:
+        if self.world is not None and not self.closed:
+            self.trace.misuse.append(
+                f"NCCL rank {self.nccl_rank}'s communicator was garbage-collected alive: "
+                "cupy's __dealloc__ calls ncclCommDestroy, which can hang alone"
+            )
 
     def _forward(self, name: str, args: tuple[Any, ...]) -> None:
         entry = self._record(name, args)
@@ -332,6 +367,8 @@ class CheckedCommunicator:
                 if exc.status != INVALID_ARGUMENT or self.closed or self.trace.let_through(entry):
                     self.groups.failed = self.groups.depth > 0
                     raise
+            if self.trace.on_call is not None:
+                self.trace.on_call(entry)
             if name == "check_async_error":
                 return
             if self.world is None:  # NCCL refuses a call on an uninitialised communicator
@@ -366,7 +403,7 @@ class CheckedCommunicator:
             (rank, calls),
             device=self.device or 0,
             agree=nccl_world.matches,
-            effect=nccl_world.move,
+            effect=functools.partial(nccl_world.move, misuse=self.trace.misuse),
             tag=self,
             name="+".join(name for name, _ in calls),
         )
@@ -437,6 +474,10 @@ class CheckedNccl:
 
     def _record(self, name: str, args: tuple[Any, ...] = ()) -> None:
         self._trace.add(Entry(name, args, self._devices.current(), threading.get_ident()))
+
+    def get_version(self) -> int:
+        found = self._trace.nccl_version
+        return int(real_nccl.get_version()) if found is None else found
 
     def get_unique_id(self) -> Any:
         uid = real_nccl.get_unique_id()
@@ -579,9 +620,19 @@ class ContractCupy:
     def empty(self, shape: int | tuple[int, ...], dtype: Any) -> DeviceArray:
         return self.zeros(shape, dtype)
 
-    def uploaded(self, ptr: int) -> np.ndarray:
-        """Return the int64 words that the copy to GPU address ``ptr`` took from the host."""
-        (copy,) = [e for e in self.trace.named("memcpyAsync") if e.args[0] == ptr]
+    def uploaded(self, ptr: int, count: int | None = None) -> np.ndarray:
+        """Return the int64 words that the copy to GPU address ``ptr`` took from the host.
+
+        A launch built before the trace was last cleared (its buffer's address reused by
+        a new one, as allocators do) made its copy then: with ``count`` given, its
+        ``count`` words are read where they landed instead.
+        """
+        copies = [e for e in self.trace.named("memcpyAsync") if e.args[0] == ptr]
+        if not copies and count is not None:
+            landed = MEMORY.view(ptr, count * 8)
+            assert landed is not None, f"no words at {ptr:#x}"
+            return landed.view(np.int64).copy()
+        (copy,) = copies
         assert copy.args[3] == H2D, copy
         size = copy.args[2]
         return np.frombuffer((ctypes.c_char * size).from_address(copy.args[1]), np.int64).copy()
@@ -596,20 +647,34 @@ H2D, D2H = 1, 2
 copies between host and GPU (its words up, once per launch, and each result down)."""
 
 
+def check_calls(entries: list[Entry]) -> list[tuple[Entry, Entry, Entry]]:
+    """Return each signature check in ``entries``: its allreduce, copy to the host and event.
+
+    Only a check copies from the GPU to the host, right after its allreduce and right
+    before its event, on one thread (other threads' calls may come between).
+    """
+    found = []
+    for e in entries:
+        if e.name == "memcpyAsync" and e.args[3] == D2H:
+            mine = [f for f in entries if f.thread == e.thread]
+            at = mine.index(e)
+            if at + 1 == len(mine):
+                continue  # its event is not recorded yet
+            start = max(j for j in range(at) if mine[j].name == "allReduce")
+            found.append((mine[start], e, mine[at + 1]))
+    return found
+
+
 def without_checks(entries: list[Entry]) -> list[Entry]:
     """Return ``entries`` less the signature checks: the upload of a launch's words, and
-    each check's allreduce, its copy to the host and its event.
-
-    Only a check copies from the GPU to the host, right after its allreduce.
+    each check's allreduce, its copy to the host and its event (see ``check_calls``).
     """
-    entries = [e for e in entries if not (e.name == "memcpyAsync" and e.args[3] == H2D)]
-    kept = list(entries)
-    for i, e in enumerate(entries):
-        if e.name == "memcpyAsync" and e.args[3] == D2H:
-            start = max(j for j in range(i) if entries[j].name == "allReduce")
-            drop = {start, i, i + 1}
-            kept = [k for k in kept if k not in [entries[j] for j in drop]]
-    return kept
+    dropped = {id(e) for check in check_calls(entries) for e in check}
+    return [
+        e
+        for e in entries
+        if id(e) not in dropped and not (e.name == "memcpyAsync" and e.args[3] == H2D)
+    ]
 
 
 def group_blocks(entries: list[Entry]) -> Iterator[list[Entry]]:

@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from collective.frameworks import cuda_buffers
 from collective.groups.nccl import comm as nccl_comm
+from collective.groups.nccl import watchdog as nccl_watchdog
 from collective.groups.nccl.group import NCCLGroup
 from collective.rendezvous.store import TCPRendezvousStore
+from tests import device_clock
 from tests.device_clock import DeviceClock
 from tests.nccl_binding import DEVICES, ContractCupy, no_driver
 
@@ -123,6 +125,10 @@ class Ranks:
         for group in self.groups:
             group.destroy_group()
 
+    def misuse(self) -> list[str]:
+        """Return what every rank did that NCCL or CUDA forbids (``Trace.misuse``)."""
+        return [m for c in self.cupys for m in c.trace.misuse]
+
     def close(self) -> None:
         """Stop the ranks' device clocks."""
         for clock in {c.clock for c in self.cupys}:
@@ -140,6 +146,9 @@ def contract_ranks(
     """
     monkeypatch.setattr(nccl_comm, "_probe", _probe)
     monkeypatch.setattr(cuda_buffers, "cupy_stream", caller_stream)
+    monkeypatch.setattr(
+        nccl_watchdog, "exchange_capture_mode", device_clock.exchange_capture_mode, raising=False
+    )
     made: list[Ranks] = []
 
     def make(
@@ -162,3 +171,10 @@ def contract_ranks(
 def on_this_thread(cupy: ContractCupy) -> None:
     """Make ``cupy`` the one the backend sees from the calling thread."""
     _local.cupy = cupy
+
+
+@pytest.fixture(name="ranks")
+def ranks_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
+    """The fixture ``ranks``: ``contract_ranks``' maker; import it into a test module."""
+    with contract_ranks(monkeypatch) as make:
+        yield make

@@ -114,8 +114,22 @@ def matches(launches: list[tuple[int, list[Call]]]) -> bool:
     return True
 
 
-def move(launches: list[tuple[int, list[Call]]]) -> None:
-    """Move the bytes of matched launches, every read before any write (in-place calls)."""
+def move(launches: list[tuple[int, list[Call]]], misuse: list[str] | None = None) -> None:
+    """Move the bytes of matched launches, every read before any write (in-place calls).
+
+    A buffer at an address no live allocation holds (memory freed while a launch still
+    reads or writes it) is logged in ``misuse``.
+    """
+    unknown = [
+        f"an NCCL {name} of rank {rank} on the device reads or writes {ptr:#x}, which no live "
+        "allocation holds (freed while the launch was queued)"
+        for rank, calls in launches
+        for name, args in calls
+        for ptr, count, dtype in _buffers(name, args, len(launches))
+        if MEMORY.view(ptr, count * _itemsize(dtype)) is None
+    ]
+    if misuse is not None:
+        misuse.extend(unknown)
     by_rank = dict(launches)
     writes: list[tuple[int, np.ndarray]] = []
     collective = [[c for c in by_rank[r] if c[0] in COLLECTIVES] for r in sorted(by_rank)]
@@ -135,6 +149,20 @@ def move(launches: list[tuple[int, list[Call]]]) -> None:
         target = MEMORY.view(ptr, data.nbytes)
         if target is not None:
             target[:] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+
+
+def _buffers(name: str, args: tuple[Any, ...], n: int) -> list[tuple[int, int, int]]:
+    """Return the ``(address, count, dtype)`` of each buffer an NCCL call touches."""
+    if name in P2P:
+        return [(args[0], args[1], args[2])]
+    if name == "bcast":
+        return [(args[0], args[1], args[2])]
+    count, dtype = args[2], args[3]
+    if name == "allGather":
+        return [(args[0], count, dtype), (args[1], count * n, dtype)]
+    if name == "reduceScatter":
+        return [(args[0], count * n, dtype), (args[1], count, dtype)]
+    return [(args[0], count, dtype), (args[1], count, dtype)]
 
 
 def _all(calls: list[Call], count: int, dtype: int) -> list[np.ndarray] | None:

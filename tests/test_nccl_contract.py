@@ -258,16 +258,16 @@ def test_an_async_op_follows_the_callers_stream_and_the_caller_follows_it_on_wai
     trace = without_checks(r.cupys[0].trace.entries)
     names = [e.name for e in trace if e.name not in ("eventQuery", "check_async_error")]
     assert names == [
+        "streamIsCapturing",  # the caller's stream: an async op is never captured
         "eventRecord",
         "streamWaitEvent",
         "allReduce",
         "eventRecord",
-        "streamIsCapturing",
         "eventRecord",
         "streamWaitEvent",
     ]
     caller, stream = caller_stream(0), r.cupys[0].streams()[0]
-    ready, follow, _, done, _, marker, after = [e for e in trace if e.name in names]
+    _, ready, follow, _, done, marker, after = [e for e in trace if e.name in names]
     assert ready.args[1] == caller and follow.args[:2] == (stream, ready.args[0])
     assert done.args[1] == stream and after.args[:2] == (caller, done.args[0])
     assert marker.args[1] == stream and marker.args[0] not in (ready.args[0], done.args[0])
@@ -275,7 +275,8 @@ def test_an_async_op_follows_the_callers_stream_and_the_caller_follows_it_on_wai
     me = threading.get_ident()
     polled = [e.args[0] for e in between if e.name == "eventQuery" and e.thread == me]
     assert polled[:1] == [done.args[0]]  # the wait polled the op's event first
-    r.clear()  # the pool hands the same two events out again
+    r.settle()
+    r.clear()  # the pool hands the same two events out again, the marker its own
     r.run(lambda _, g: g.allreduce([x], AllReduceOptions(async_op=True)))[0].wait()
     again = [e for e in without_checks(r.cupys[0].trace.entries) if e.name == "eventRecord"]
     assert {e.args[0] for e in again} == {ready.args[0], done.args[0], marker.args[0]}
@@ -289,7 +290,7 @@ def test_send_and_recv_use_a_pair_communicator_and_n_elements(
 
     def pair(rank: int, g: Any) -> None:
         if rank == 0:
-            g.send([x[0]], SendOptions(dst_rank=1, dst_gpu_index=0))
+            g.send([x[0]], SendOptions(dst_rank=1, dst_gpu_index=0, n_elements=5))
         else:
             g.recv([x[1]], RecvOptions(src_rank=0, src_gpu_index=0, n_elements=5))
 
@@ -301,7 +302,7 @@ def test_send_and_recv_use_a_pair_communicator_and_n_elements(
     s0 = s1 = caller_stream(0)
     assert [(e.name, e.args) for e in sends] == [
         ("NcclCommunicator", (2, uid, 0)),
-        ("send", (x[0].ptr, COUNT, d, 1, s0)),
+        ("send", (x[0].ptr, 5, d, 1, s0)),
     ]
     assert [(e.name, e.args) for e in recvs] == [
         ("NcclCommunicator", (2, uid, 1)),

@@ -124,6 +124,10 @@ def test_a_call_that_fails_inside_a_group_discards_the_whole_group(
 ) -> None:
     r = ranks(3)
     _warm(r)
+    warm = [[_x() for _ in range(3)] for _ in range(3)]  # the op's first use, on every rank
+    r.run(lambda rank, g: g.allgather([warm[rank]], [_x()], AllGatherOptions()))
+    r.settle()
+    r.clear()
     broadcasts: list[Entry] = []
 
     def second_fails(entry: Entry) -> bool:

@@ -149,16 +149,23 @@ def test_a_repeated_list_call_describes_nothing_and_finds_its_nccl_launch_once(
 def test_a_list_call_first_made_while_capturing_is_built_again_after_the_capture(
     ranks: Callable[..., Ranks],
 ) -> None:
-    """A launch built during capture has no watchdog marker: no later call may reuse it."""
+    """A launch built during capture has no watchdog marker: no later call may reuse it.
+
+    The op ran once before the capture (on other buffers): its communicators exist.
+    """
     r = ranks(1)
     name = _registered(r)
     x, out = DeviceArray(SHAPE, "float32"), DeviceArray(SHAPE, "float32")
     trace, me = r.cupys[0].trace, threading.get_ident()
     try:
+        col.allgather([DeviceArray(SHAPE, "float32")], DeviceArray(SHAPE, "float32"), name)
+        r.clear()
         trace.capturing.add(caller_stream(0))
-        col.allgather([out], x, name)
+        try:
+            col.allgather([out], x, name)
+        finally:
+            trace.capturing.clear()
         assert not [e for e in trace.named("eventRecord") if e.thread == me]
-        trace.capturing.clear()
         r.clear()
         col.allgather([out], x, name)
         names = [e.name for e in without_checks(trace.entries) if e.thread == me]

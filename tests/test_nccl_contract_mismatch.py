@@ -30,7 +30,16 @@ from collective.types import (
     ReduceOp,
     ReduceOptions,
 )
-from tests.nccl_binding import D2H, H2D, NOT_READY, ContractCupy, DeviceArray, Entry, real_nccl
+from tests.nccl_binding import (
+    D2H,
+    H2D,
+    NOT_READY,
+    ContractCupy,
+    DeviceArray,
+    Entry,
+    check_calls,
+    real_nccl,
+)
 from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
 
 pytestmark = CONTRACT
@@ -46,18 +55,16 @@ def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
 
 def checks(cupy: ContractCupy) -> list[tuple[Entry, Entry, Entry]]:
     """Return each signature check a rank made: its allreduce, copy to the host and event."""
-    entries = cupy.trace.entries
-    found = []
-    for i, e in enumerate(entries):
-        if e.name == "memcpyAsync" and e.args[3] == D2H:
-            start = max(j for j in range(i) if entries[j].name == "allReduce")
-            found.append((entries[start], e, entries[i + 1]))
-    return found
+    with cupy.trace.lock:
+        entries = list(cupy.trace.entries)
+    return check_calls(entries)
 
 
 def hold_checks(r: Ranks, others: int = 0) -> set[int]:
     """Keep each check's event pending until ``play_nccl`` has written its result.
 
+    A played check's event then says what the device clock says: the host never sees a
+    check finished before the device has run it (and may still be reading its words).
     Returns the set of played events; every other event reports ``others``.
     """
     played: set[int] = set()
@@ -65,7 +72,7 @@ def hold_checks(r: Ranks, others: int = 0) -> set[int]:
 
         def status(handle: int, real: int, cupy: ContractCupy = cupy) -> int:
             if handle in {event.args[0] for _, _, event in checks(cupy)}:
-                return 0 if handle in played else NOT_READY
+                return cupy.gpu.query(handle) if handle in played else NOT_READY
             return others
 
         cupy.trace.event_status = status
@@ -73,12 +80,21 @@ def hold_checks(r: Ranks, others: int = 0) -> set[int]:
 
 
 def play_nccl(r: Ranks, played: set[int], k: int = -1) -> np.ndarray:
-    """Reduce the k-th check of every rank as NCCL would; write it where each copy lands."""
+    """Reduce the k-th check of every rank as NCCL would; check that the stand-in's NCCL
+    wrote that where each copy lands, once the device has run it; let the events say so.
+    """
     made = [checks(c)[k] for c in r.cupys]
-    sent = [c.uploaded(call.args[0]) for c, (call, _, _) in zip(r.cupys, made, strict=True)]
+    sent = [
+        c.uploaded(call.args[0], call.args[2])
+        for c, (call, _, _) in zip(r.cupys, made, strict=True)
+    ]
     reduced = np.max(np.stack(sent), axis=0).astype(np.int64)
-    for _, copy, event in made:
-        ctypes.memmove(copy.args[0], reduced.ctypes.data, reduced.nbytes)
+    for cupy, (_, copy, event) in zip(r.cupys, made, strict=True):
+        cupy.gpu.event_synchronize(event.args[0])
+        landed = np.frombuffer(
+            (ctypes.c_char * reduced.nbytes).from_address(copy.args[0]), np.int64
+        )
+        assert (landed == reduced).all(), "the stand-in's NCCL reduced other words"
         played.add(event.args[0])
     return reduced
 
@@ -122,13 +138,11 @@ def test_each_rank_hands_nccl_its_signature_words_ahead_of_the_op(
 def test_ranks_that_disagree_all_raise_naming_the_field_and_the_group_breaks(
     ranks: Callable[..., Ranks], calls: tuple[tuple[str, int], ...], field: str
 ) -> None:
+    """Both calls' first uses are agreed first: the check, not the agreement, finds it."""
     r = ranks(2)
-    played = hold_checks(r)
-    r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
-    play_nccl(r, played)
 
-    def call(rank: int, g: Any) -> None:
-        kind, count = calls[rank]
+    def call(rank: int, g: Any, which: int | None = None) -> None:
+        kind, count = calls[rank if which is None else which]
         x = DeviceArray((count,), "float32")
         if kind.startswith("allreduce"):
             op = ReduceOp.MAX if kind.endswith("max") else ReduceOp.SUM
@@ -136,6 +150,10 @@ def test_ranks_that_disagree_all_raise_naming_the_field_and_the_group_breaks(
         else:
             g.broadcast([x], BroadcastOptions(root_rank=1 if kind.endswith("1") else 0))
 
+    know(r, partial(call, which=0), partial(call, which=1))
+    played = hold_checks(r)
+    r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
+    play_nccl(r, played)
     r.run(call)
     play_nccl(r, played)
     errors = r.run(lambda _, g: _next_op_error(g))
@@ -145,6 +163,23 @@ def test_ranks_that_disagree_all_raise_naming_the_field_and_the_group_breaks(
         assert r.name in str(error)
         assert r.groups[rank].error is not None
         assert [e.name for e in r.cupys[rank].trace.named("abort")] == ["abort"]
+
+
+def know(r: Ranks, *calls: Callable[[int, Any], Any]) -> None:
+    """Run each of ``calls`` on every rank, so that their first uses are agreed, then forget.
+
+    A kind of op new on a communicator is agreed through the store before NCCL sees it
+    (see ``collective/groups/nccl/first.py``), which finds a mismatch of new kinds before
+    any check: tests of the check make the kinds known first.
+    """
+    for call in calls:
+        r.run(call)
+    r.settle()
+    r.clear()
+
+
+def _sized(rank: int, g: Any, n: int) -> None:
+    g.allreduce([DeviceArray((n,), "float32")], AllReduceOptions())
 
 
 def _hear(heard: list[str], error: CollectiveError) -> None:
@@ -174,6 +209,7 @@ def test_a_mismatch_that_hangs_the_op_is_reported_as_one_not_as_a_timeout(
 ) -> None:
     """The check is its own NCCL call, so it completes though the op after it never does."""
     r = ranks(2)
+    know(r, partial(_sized, n=8), partial(_sized, n=9))
     played = hold_checks(r)
     r.run(lambda _, g: g.allreduce([DeviceArray((8,), "float32")], AllReduceOptions()))
     play_nccl(r, played)
@@ -219,13 +255,19 @@ def test_agree_compares_the_given_op_even_where_the_group_skips_its_checks(
     r = ranks(2)
     for g in r.groups:
         g.skip_agreement()
-    played = hold_checks(r)
     xs = [DeviceArray((6,), "float64") for _ in range(2)]
     wait = timedelta(seconds=5)
+    know(
+        r,
+        lambda rank, g: g.agree("reducescatter", xs[rank], -1, ReduceOp.AVG, wait),
+        lambda rank, g: g.agree("broadcast", xs[rank], 0, None, wait),
+        lambda rank, g: g.agree("broadcast", xs[rank], 1, None, wait),
+    )
+    played = hold_checks(r)
     r.run(lambda rank, g: g.agree("reducescatter", xs[rank], -1, ReduceOp.AVG, wait))
     for rank, cupy in enumerate(r.cupys):
         ((call, copy, _),) = checks(cupy)
-        words = cupy.uploaded(call.args[0])
+        words = cupy.uploaded(call.args[0], call.args[2])
         fields = signature.of_call("reducescatter", 0, xs[rank], -1, ReduceOp.AVG)
         assert words[1 : mismatch.WORDS].tolist() == fields[: mismatch.FIELDS]
         assert call.args[5] == caller_stream(0) and copy.args[4] == caller_stream(0)

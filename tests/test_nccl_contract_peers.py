@@ -106,10 +106,11 @@ def test_a_timeout_names_the_rank_whose_op_of_that_number_was_another(
     monkeypatch.setenv(mismatch.CHECK_ENV, "0")
     r = ranks(3, timeout=timedelta(seconds=20))
     r.run(lambda _, g: _allreduce(g).wait())
+    x = DeviceArray((4, 8), "float32", 0)
+    r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=1)))  # its first use
     r.settle()
     for rank in (0, 2):
         r.cupys[rank].trace.event_status = lambda handle, real_status: NOT_READY
-    x = DeviceArray((4, 8), "float32", 0)
     r.run(lambda _, g: g.broadcast([x], BroadcastOptions(root_rank=1)), ranks=[1])
 
     def second(rank: int, group: NCCLGroup) -> str:
@@ -118,8 +119,8 @@ def test_a_timeout_names_the_rank_whose_op_of_that_number_was_another(
         return str(info.value)
 
     for message in r.run(second, ranks=[0, 2]):
-        assert "ranks that joined it (op 2 of the group): [0, 2]" in message, message
-        assert "ranks whose op 2 was another: rank 1 (broadcast)" in message, message
+        assert "ranks that joined it (op 3 of the group): [0, 2]" in message, message
+        assert "ranks whose op 3 was another: rank 1 (broadcast)" in message, message
 
 
 def test_a_rank_that_times_out_tells_the_others_at_once(ranks: Callable[..., Ranks]) -> None:

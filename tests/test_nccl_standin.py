@@ -8,8 +8,10 @@ stand-in's NCCL reduced, with no test playing NCCL.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,15 +28,14 @@ from collective.types import (
 )
 from tests.device_clock import NOT_READY
 from tests.nccl_binding import DeviceArray, chunks
-from tests.nccl_threads import CONTRACT, Ranks, caller_stream, contract_ranks
+from tests.nccl_threads import CONTRACT, Ranks, caller_stream, ranks_fixture
 
 pytestmark = CONTRACT
+__all__ = ["ranks_fixture"]  # the fixture ``ranks``
 
 
-@pytest.fixture
-def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ranks]]:
-    with contract_ranks(monkeypatch) as make:
-        yield make
+def _allreduce(rank: int, g: Any, x: DeviceArray) -> None:
+    g.allreduce([x], AllReduceOptions())
 
 
 def _sync(r: Ranks) -> None:
@@ -100,7 +101,8 @@ def test_send_and_recv_pair_up_in_order(ranks: Callable[..., Ranks]) -> None:
 def test_the_check_finds_a_mismatch_from_what_nccl_reduced(ranks: Callable[..., Ranks]) -> None:
     r = ranks(2)
     xs = [DeviceArray((4, 8), "float32"), DeviceArray((4, 9), "float32")]
-    r.run(lambda rank, g: g.allreduce([DeviceArray((2,), "float32")], AllReduceOptions()))
+    for x in xs:  # both kinds are known on both ranks: no first-use agreement is needed
+        r.run(functools.partial(_allreduce, x=x))
     r.settle()
     r.run(lambda rank, g: g.allreduce([xs[rank]], AllReduceOptions()))  # the op itself hangs
     deadline = time.monotonic() + 10

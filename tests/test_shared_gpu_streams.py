@@ -3,7 +3,7 @@
 A real GPU runs each stream's work later, in order; the stand-in does too
 (``shared_gpu_standin``), so an op whose device work is not ordered after the previous
 op's shows wrong bytes here, as it would on a GPU. The GPU test of the same scenario is
-``tests/gpu/test_shared_gpu_streams.py``.
+``tests/gpu/test_review_shared_gpu.py``.
 """
 
 from __future__ import annotations

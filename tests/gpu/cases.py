@@ -88,6 +88,20 @@ def torch_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def torch_gpu_marks() -> list[Any]:
+    """Return the marks of a module of GPU tests on torch CUDA tensors: skip, saying why."""
+    import pytest
+
+    return [
+        pytest.mark.gpu,
+        pytest.mark.skipif(bool(no_gpu_reason()), reason=no_gpu_reason() or "-"),
+        pytest.mark.skipif(
+            not no_gpu_reason() and not torch_cuda(),
+            reason="these tests use torch CUDA tensors; this torch has no CUDA",
+        ),
+    ]
+
+
 def op_cases() -> list[tuple[str, str, str]]:
     """Return every (op, kind, dtype) the backend claims.
 

@@ -17,14 +17,7 @@ import pytest
 
 from tests.gpu import capture, cases
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(bool(cases.no_gpu_reason()), reason=cases.no_gpu_reason() or "-"),
-    pytest.mark.skipif(
-        not cases.no_gpu_reason() and not cases.torch_cuda(),
-        reason="these tests use torch CUDA tensors; this torch has no CUDA",
-    ),
-]
+pytestmark = cases.torch_gpu_marks()
 
 REPLAYS = 3
 

@@ -18,18 +18,9 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-import pytest
-
 from tests.gpu import cases, hangs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(bool(cases.no_gpu_reason()), reason=cases.no_gpu_reason() or "-"),
-    pytest.mark.skipif(
-        not cases.no_gpu_reason() and not cases.torch_cuda(),
-        reason="these tests use torch CUDA tensors; this torch has no CUDA",
-    ),
-]
+pytestmark = cases.torch_gpu_marks()
 
 TIMEOUT_S = 5.0
 SLACK_S = 10.0

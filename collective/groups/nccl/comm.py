@@ -5,6 +5,7 @@ Nothing here imports cupy at module load; ``cupy_module`` does, on first use.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import platform
 import threading
@@ -14,7 +15,8 @@ from typing import Any
 
 from collective.frameworks import cuda_buffers
 from collective.frameworks.cuda_buffers import CudaBuffer
-from collective.groups.nccl.cuda import wait_events
+from collective.groups.nccl.cuda import no_probe, wait_events
+from collective.groups.nccl.guard import CommGuard
 from collective.rendezvous.store import RendezvousStore
 from collective.types import (
     ArgumentValueError,
@@ -191,6 +193,7 @@ def create_communicators(
     nccl = cuda.nccl
     commid = unique_id_argument(nccl.NcclCommunicator, uid)
     outcome: dict[str, Any] = {}
+    lock = threading.Lock()
 
     def body() -> None:
         comms: list[Any] = []
@@ -202,18 +205,59 @@ def create_communicators(
                         comms.append(nccl.NcclCommunicator(world, commid, rank))
             finally:
                 nccl.groupEnd()
-            outcome["comms"] = comms
         except BaseException as exc:
             outcome["error"] = exc
+        keep(comms)
+        with lock:
+            abandoned = outcome.setdefault("comms", comms) is not comms or "error" in outcome
+        if abandoned:  # nobody will use them: abort here, never leave them to the GC
+            _end(comms)
 
     thread = threading.Thread(target=body, name="collective-nccl-init", daemon=True)
     thread.start()
     thread.join(timeout.total_seconds())
-    if thread.is_alive():
+    with lock:
+        made = outcome.setdefault("comms", None)
+    if made is None:
         raise TimeoutError(f"not all {world} NCCL ranks arrived within {timeout}")
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["comms"]
+    return list(made)
+
+
+_LIVE: dict[int, Any] = {}
+"""Every communicator made and not yet destroyed or aborted, by id: held here so that the
+garbage collector never runs cupy's ``__dealloc__``, which calls ``ncclCommDestroy``, a
+call every rank must make (it can hang alone). Those left at exit are aborted."""
+
+_LIVE_LOCK = threading.Lock()
+
+
+def keep(comms: Sequence[Any]) -> None:
+    """Hold ``comms`` until ``release_communicators`` ends them (see ``_LIVE``)."""
+    with _LIVE_LOCK:
+        for comm in comms:
+            _LIVE[id(comm)] = comm
+
+
+def _end(comms: Sequence[Any], destroy: bool = False) -> None:
+    """Destroy ``comms``, or abort them, errors aside; stop holding them (``_LIVE``)."""
+    for comm in comms:
+        try:
+            comm.destroy() if destroy else comm.abort()
+        except RuntimeError:
+            continue
+    with _LIVE_LOCK:
+        for comm in comms:
+            _LIVE.pop(id(comm), None)
+
+
+@atexit.register
+def _abort_live() -> None:
+    """Abort the communicators still alive at exit: ``ncclCommAbort`` never waits for peers."""
+    with _LIVE_LOCK:
+        live = list(_LIVE.values())
+    _end(live)
 
 
 def discard_group(nccl: Any) -> None:
@@ -235,26 +279,35 @@ def discard_group(nccl: Any) -> None:
 
 
 def release_communicators(
-    cuda: Any, comms: Sequence[Any], events: Sequence[Any], healthy: bool, timeout: timedelta
+    cuda: Any,
+    comms: Sequence[Any],
+    events: Sequence[Any],
+    healthy: bool,
+    timeout: timedelta,
+    guard: CommGuard | None = None,
 ) -> bool:
     """Destroy ``comms`` once ``events`` complete, or abort them; return whether destroyed.
 
     A healthy group's running ops get ``timeout`` to finish. Communicators of an
     unhealthy group, or with ops that do not finish, are aborted, which never waits.
+    With ``guard``, the destroy or abort runs through ``guard.end``: never while another
+    thread is inside an NCCL call on them.
     """
     if healthy and events:
+        probe = no_probe if guard is None else guard.probe(lambda: comms)
         try:
-            healthy = wait_events(cuda, events, comms, timeout)
+            healthy = wait_events(cuda, events, probe, timeout)
         except RuntimeError:
             healthy = False
-    for comm in comms:
-        try:
-            if healthy:
-                comm.destroy()
-            else:
-                comm.abort()
-        except RuntimeError:
-            continue
+    destroy = healthy
+
+    def release() -> None:
+        _end(comms, destroy)
+
+    if guard is None:
+        release()
+    else:
+        guard.end(release)
     return healthy
 
 

@@ -8,6 +8,7 @@ is built on the hot path.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from collective.types import CollectiveError
-from collective.work import OnceWork
+from collective.work import OnceWork, Work
 
 _NON_BLOCKING = 1
 """``cudaStreamNonBlocking``: the stream does not synchronise with the legacy default stream."""
@@ -89,6 +90,36 @@ def events_done(cuda: Any, events: Sequence[Any]) -> bool:
     return True
 
 
+def no_probe() -> None:
+    """Poll nothing: for waits on events of no communicator."""
+
+
+def exchange_capture_mode(mode: int) -> int:
+    """Set the calling thread's CUDA stream-capture mode; return the previous one.
+
+    ``cuThreadExchangeStreamCaptureMode`` of the CUDA driver, which cupy does not bind.
+    The mode is the driver's, per thread, whichever runtime a library links.
+
+    Raises:
+        OSError: the CUDA driver library cannot be loaded.
+        RuntimeError: the driver refused the call.
+
+    """
+    driver = ctypes.CDLL("libcuda.so.1")
+    exchange = driver.cuThreadExchangeStreamCaptureMode
+    exchange.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    exchange.restype = ctypes.c_int
+    value = ctypes.c_int(mode)
+    status = exchange(ctypes.byref(value))
+    if status:
+        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed with CUresult {status}")
+    return int(value.value)
+
+
+CAPTURE_THREAD_LOCAL = 1
+"""``cudaStreamCaptureModeThreadLocal``: only this thread's own captures restrict it."""
+
+
 def settled(cuda: Any, events: Sequence[Any]) -> bool:
     """Return whether ``events`` have all completed, or CUDA reports an error for them."""
     try:
@@ -97,18 +128,22 @@ def settled(cuda: Any, events: Sequence[Any]) -> bool:
         return True
 
 
-def wait_events(cuda: Any, events: Sequence[Any], comms: Sequence[Any], timeout: timedelta) -> bool:
+def wait_events(
+    cuda: Any, events: Sequence[Any], probe: Callable[[], None], timeout: timedelta
+) -> bool:
     """Poll ``events`` until all have completed; return False if ``timeout`` passes first.
 
+    ``probe()`` polls the communicators' asynchronous NCCL errors between queries
+    (``guard.CommGuard.probe``).
+
     Raises:
-        RuntimeError: CUDA reports an error, or one of ``comms`` an asynchronous NCCL one.
+        RuntimeError: CUDA reports an error, or ``probe`` an asynchronous NCCL one.
 
     """
     deadline = time.monotonic() + timeout.total_seconds()
     pause = _POLL_S[0]
     while not events_done(cuda, events):
-        for comm in comms:
-            comm.check_async_error()
+        probe()
         if time.monotonic() >= deadline:
             return False
         time.sleep(pause)
@@ -128,7 +163,7 @@ class NcclWork(OnceWork):
         op: str,
         cuda: Any,
         events: Sequence[Any],
-        comms: Sequence[Any],
+        probe: Callable[[], None],
         finish: Callable[[], None],
         fail: Callable[[str, timedelta, BaseException, int], CollectiveError],
         timeout: timedelta,
@@ -136,6 +171,8 @@ class NcclWork(OnceWork):
         number: int = 0,
     ) -> None:
         """Track ``events`` of op ``op``; ``fail`` turns a failure into the group's error.
+
+        ``probe()`` polls the group's communicators for asynchronous NCCL errors.
 
         ``broken`` returns the group's failure, if another op or the watchdog found one:
         the events of an op whose communicators were aborted complete too. ``number``
@@ -146,7 +183,7 @@ class NcclWork(OnceWork):
         self._op = op
         self._cuda = cuda
         self._events = list(events)
-        self._comms = list(comms)
+        self._probe = probe
         self._finish: Callable[[], None] | None = finish
         self._fail = fail
         self._op_timeout = timeout
@@ -158,10 +195,9 @@ class NcclWork(OnceWork):
             return
         limit = timeout or self._op_timeout
         try:
-            if not wait_events(self._cuda, self._events, self._comms, limit):
+            if not wait_events(self._cuda, self._events, self._probe, limit):
                 raise TimeoutError("the NCCL kernels did not finish")
-            for comm in self._comms:
-                comm.check_async_error()
+            self._probe()
         except (RuntimeError, TimeoutError) as exc:
             self._error = self._fail(self._op, limit, exc, self._number)
             return
@@ -181,10 +217,28 @@ class NcclWork(OnceWork):
             return self._error
         try:
             events_done(self._cuda, self._events)
-            for comm in self._comms:
-                comm.check_async_error()
+            self._probe()
         except RuntimeError as exc:
             with self._lock:
                 self._error = self._fail(self._op, self._op_timeout, exc, self._number)
             return self._error
         return None
+
+
+class _Done(Work):
+    """The ``Work`` of a blocking op: queued on the caller's stream, which orders what follows."""
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Return at once: later work on the caller's stream runs after the op."""
+
+    def is_completed(self) -> bool:
+        """Return True."""
+        return True
+
+    def exception(self) -> BaseException | None:
+        """Return None; a failure the watchdog finds fails the group's next call."""
+        return None
+
+
+DONE = _Done()
+"""The one ``Work`` every blocking op returns."""

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from collective.groups.nccl.comm import discard_group
+from collective.groups.nccl.first import First
 from collective.groups.nccl.mismatch import Check
 from collective.groups.nccl.watchdog import Marker
 
@@ -50,6 +51,9 @@ class Signed:
     comm: Any
     stream: int
     """The stream the check runs on: the op's own, or the group's comm stream (``mismatch``)."""
+    device: int
+    """The GPU of ``stream``, current while the check is issued (the legacy stream's handle
+    names the current device's)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class Launch:
     counted: bool = True
     """Whether the group counts the op among its collectives: every op but send and recv,
     which two ranks issue (see ``groups.progress``)."""
+    first: First | None = None
+    """What the ranks agree on before the first launch of its kind (see ``first``)."""
 
     def issue(self, nccl: Any, cuda: Any) -> None:
         """Issue the calls; on a failure inside the NCCL group, discard the whole group.
@@ -137,15 +143,16 @@ def signed(
 ) -> Signed:
     """Return the signature check of a launch: ``words`` put on GPU ``device``, reduced on ``comm``.
 
-    The words go up from pinned memory on ``stream``, the one the check runs on, so
-    they are in place when the check's allreduce reads them: no host
-    synchronisation, and no ordering against any other stream.
+    The words go up from pinned memory on ``stream``, the one the check runs on, with
+    ``device`` current (the legacy stream's handle names the current device's), so they
+    are in place when the check's allreduce reads them: no host synchronisation, and no
+    ordering against any other stream.
     """
     cuda = cupy.cuda
     pinned = cuda.alloc_pinned_memory(words.nbytes)
     np.frombuffer(pinned, dtype=np.int64, count=words.size)[:] = words
     with cuda.Device(device):
         on_gpu = cupy.empty(words.size, dtype=np.int64)
-    ptr = int(on_gpu.data.ptr)
-    cuda.runtime.memcpyAsync(ptr, int(pinned.ptr), words.nbytes, _H2D, stream)
-    return Signed(check, (on_gpu, pinned), ptr, comm, stream)
+        ptr = int(on_gpu.data.ptr)
+        cuda.runtime.memcpyAsync(ptr, int(pinned.ptr), words.nbytes, _H2D, stream)
+    return Signed(check, (on_gpu, pinned), ptr, comm, stream, device)

@@ -24,8 +24,13 @@ failure is told to the peers, whose groups fail at once.
 
 Locks: the op lock is held for a whole op, including the making of a communicator,
 which waits up to the timeout for the peers; the state lock is held for moments
-only, so ``abort`` and ``destroy_group`` never wait for an op or a pending init.
+only, so ``abort`` and ``destroy_group`` never wait for an op or a pending init. The
+communicators themselves are aborted or destroyed through the group's ``CommGuard``,
+never while another thread is inside an NCCL call on them (see ``guard``), and every
+communicator made is held (``comm.keep``) until then, so the garbage collector never
+destroys one.
 
+``making.NcclMaking`` makes the communicators and streams,
 ``checking.NcclChecking`` adds the signature checks, ``running.NcclRunning`` how ops
 run, ``p2p.NcclPointToPoint`` the ops built on send and recv, and ``group.NCCLGroup``
 the collectives.
@@ -40,19 +45,18 @@ from datetime import timedelta
 from itertools import chain
 from typing import Any
 
-from collective.frameworks.cuda_buffers import NCCL_DTYPES, CudaBuffer
+from collective.frameworks.cuda_buffers import NCCL_DTYPES
 from collective.groups.base import BaseGroup
 from collective.groups.nccl import mismatch
 from collective.groups.nccl.comm import (
     NCCL_REDUCE_OPS,
-    create_communicators,
     cupy_module,
-    encode_unique_id,
-    exchange_unique_id,
     release_communicators,
     unavailable_reason,
 )
 from collective.groups.nccl.cuda import STREAMS, wait_events
+from collective.groups.nccl.first import FirstUse
+from collective.groups.nccl.guard import CommGuard
 from collective.groups.nccl.launch import DeviceCalls, Launch
 from collective.groups.nccl.watchdog import Watch
 from collective.groups.progress import answer_wait
@@ -98,7 +102,8 @@ class NcclLifecycle(BaseGroup):
         ``host`` is unused: NCCL finds its own interfaces.
 
         Raises:
-            ArgumentValueError: ``COLLECTIVE_NCCL_CHECK`` is not 0, 1 or side.
+            ArgumentValueError: ``COLLECTIVE_NCCL_CHECK`` is not 0, 1 or side, or is side
+                where NCCL cannot order the checks (``mismatch.require_side``).
             CollectiveError: cupy, NCCL or a GPU is missing; says what to install.
             CollectiveTimeoutError: the ranks did not all arrive within ``timeout``.
 
@@ -108,17 +113,28 @@ class NcclLifecycle(BaseGroup):
         self._cupy = cupy_module()
         self._cuda = self._cupy.cuda
         self._nccl = self._cuda.nccl
+        if checks == mismatch.SIDE:
+            mismatch.require_side(self._nccl)
         try:
             meet(store, f"nccl/{group_name}/init", rank, world_size, timeout)
         except TimeoutError as exc:
             raise CollectiveTimeoutError("init", group_name, rank, timeout, str(exc)) from exc
         self._store = store
+        self._first = FirstUse(store, group_name, rank)
         self._lock = threading.Lock()
         self._op_lock = threading.Lock()
         self._asking = threading.Lock()
         """Held by a timed-out op while it asks the peers and records the error: the same
         timeout found meanwhile by the watchdog or ``wait`` takes that error, not asking again."""
         self._comms: dict[tuple[Any, ...], list[Any]] = {}
+        self.names: dict[int, tuple[str, tuple[int, ...]]] = {}
+        """Each communicator list's store key and member ranks, by the id of its first."""
+        self._capturing = False
+        """Set while a launch is built on a capturing stream: no communicator is made."""
+        self._guard = CommGuard()
+        """Every NCCL call on ``_comms`` runs inside ``_guard.calling()``; their abort or
+        destroy runs through ``_guard.end`` (see ``guard``)."""
+        self._probe = self._guard.probe(self._all_comms)
         self._streams: dict[int, int] = {}
         self._events: dict[int, list[Any]] = {}
         self._inflight: list[tuple[list[Any], list[Any]]] = []
@@ -144,7 +160,7 @@ class NcclLifecycle(BaseGroup):
         self._watch = Watch(
             self._cuda,
             self._op_lock,
-            self._all_comms,
+            self._probe,
             self._fail,
             self._mismatch,
             self._check_events,
@@ -246,75 +262,10 @@ class NcclLifecycle(BaseGroup):
         self._watch.stopped = True
         if peers is not None:
             peers.report(str(error))
-        release_communicators(self._cuda, comms, [], False, self.timeout)
+        release_communicators(self._cuda, comms, [], False, self.timeout, self._guard)
         for listener in self._listeners:
             listener(error)
         return error
-
-    # --- communicators and streams (the op lock is held) --------------------------------
-
-    def _communicators(
-        self,
-        key: tuple[Any, ...],
-        store_key: str,
-        devices: Sequence[int],
-        world: int,
-        ranks: Sequence[int],
-        timeout: timedelta,
-    ) -> list[Any]:
-        """Return the cached communicators ``key``, making them through the store if new.
-
-        Communicators made while the group was aborted are aborted, not kept.
-        """
-        found = self._comms.get(key)
-        if found is not None:
-            return found
-        nccl = self._nccl
-        uid = exchange_unique_id(
-            self._store,
-            f"nccl/{self.group_name}/{store_key}",
-            min(ranks) == 0,
-            lambda: encode_unique_id(nccl.get_unique_id()),
-            timeout,
-            self.group_name,
-            self.rank,
-        )
-        comms = create_communicators(self._cuda, uid, world, ranks, devices, timeout)
-        with self._lock:
-            aborted = self._aborted
-            if aborted is None:
-                self._comms[key] = comms
-        if aborted is not None:
-            release_communicators(self._cuda, comms, [], False, timeout)
-            raise CollectiveError(
-                f"the group was aborted while its communicators formed: {aborted}"
-            )
-        return comms
-
-    def _collective_comms(self, devices: Sequence[int], timeout: timedelta) -> list[Any]:
-        key = ("collective", tuple(devices))
-        found = self._comms.get(key)
-        if found is not None:
-            return found
-        store_key = f"collective/{self._collective_count}"
-        self._collective_count += 1
-        self._default_devices = self._default_devices or tuple(devices)
-        n = len(devices)
-        ranks = [self.rank * n + i for i in range(n)]
-        return self._communicators(key, store_key, devices, self.world_size * n, ranks, timeout)
-
-    def _comms_of(self, bufs: Sequence[CudaBuffer]) -> Communicators:
-        """Return the getter of the collective communicators of ``bufs``' devices."""
-        devices = [b.device for b in bufs]
-        return lambda timeout: self._collective_comms(devices, timeout)
-
-    def _stream(self, device: int) -> int:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = STREAMS.acquire(self._cuda, device)
-            with self._lock:
-                self._streams[device] = stream
-        return stream
 
     # --- signature checks (see ``checking``) -------------------------------------------
 
@@ -346,12 +297,14 @@ class NcclLifecycle(BaseGroup):
             events = [e for pending in self._inflight for e in pending[0]]
         events += self._watch.pending()
         self._watch.stopped = True
-        try:
-            finished = wait_events(self._cuda, events, comms, _ABORT_GRACE)
-        except RuntimeError:
-            finished = False
+        finished = False
+        if not self._guard.ended:  # else a failure aborted the communicators already
+            try:
+                finished = wait_events(self._cuda, events, self._probe, _ABORT_GRACE)
+            except RuntimeError:
+                finished = False
         if not finished:
-            release_communicators(self._cuda, comms, [], False, self.timeout)
+            release_communicators(self._cuda, comms, [], False, self.timeout, self._guard)
 
     def retire(self, reason: str) -> None:
         """Abort the communicators, never destroying them: a peer may be dead.
@@ -379,7 +332,8 @@ class NcclLifecycle(BaseGroup):
             events = [e for pending in self._inflight for e in pending[0]] + pending
             streams, self._streams = self._streams, {}
             self._comms.clear()
-        if release_communicators(self._cuda, comms, events, self._error is None, self.timeout):
+        healthy = self._error is None and not self._guard.ended  # else aborted already
+        if release_communicators(self._cuda, comms, events, healthy, self.timeout, self._guard):
             STREAMS.release(self._cuda, streams)
         with self._lock:
             self._inflight = []

@@ -63,7 +63,9 @@ WORDS = FIELDS + 1
 """Words per rank: a hash of the whole signature, then its fields."""
 
 SLOTS = 64
-"""Results in flight per group and GPU before the oldest must have been read."""
+"""Results in flight per group and GPU. An op that finds every slot unread first waits
+(up to its timeout) for the oldest: the host never runs more than 64 checked ops ahead
+of the GPU, and no op goes unchecked."""
 
 _INT64, _MAX, _D2H = 4, 2, 2
 """``ncclInt64``, ``ncclMax``, ``cudaMemcpyDeviceToHost``."""
@@ -86,6 +88,38 @@ def mode() -> str:
     return found
 
 
+ORDER_ENV = "NCCL_LAUNCH_ORDER_IMPLICIT"
+"""NCCL's variable that orders the kernels of several communicators of a GPU as issued."""
+
+SIDE_NCCL = 22600
+"""The first NCCL (2.26.0, as ``ncclGetVersion`` codes it) that orders them so."""
+
+
+def require_side(nccl: Any) -> None:
+    """Refuse ``SIDE`` unless NCCL orders the check's communicator with the op's.
+
+    NCCL's rule for several communicators on one GPU: before 2.26 their operations
+    must follow one global order set by stream dependencies or synchronisation, which
+    ``side`` does not set; from 2.26, ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` makes NCCL order
+    them as the host issues them (check k, then op k, under the op lock).
+
+    Raises:
+        ArgumentValueError: NCCL is older than 2.26, or the variable is not 1.
+
+    """
+    version = int(nccl.get_version())
+    value = os.environ.get(ORDER_ENV, "")
+    if version >= SIDE_NCCL and value.strip() == "1":
+        return
+    shown = f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    raise ArgumentValueError(
+        f"{CHECK_ENV}=side runs each check on a communicator of its own beside the op's, "
+        f"which NCCL keeps in order only from 2.26 with {ORDER_ENV}=1 (here NCCL {shown}, "
+        f"{ORDER_ENV}={value!r}); set {ORDER_ENV}=1 in every rank's environment, or use "
+        f"{CHECK_ENV}=1"
+    )
+
+
 def enabled() -> bool:
     """Return whether this process's NCCL groups check each op's signature (the default)."""
     return mode() != OFF
@@ -97,6 +131,11 @@ def error(group_name: str, rank: int, found: str) -> CollectiveError:
         f"group {group_name!r}, found on rank {rank}: {found}; NCCL "
         "moved nothing right, and the group is unusable"
     )
+
+
+def fields(op: str, x: Any, root: int, reduce_op: ReduceOp | None) -> list[int]:
+    """Return the signature words of ``op`` on ``x`` that the ranks compare."""
+    return list(signature.of_call(op, 0, x, root, reduce_op)[:FIELDS])
 
 
 def words(op: str, x: Any, root: int, reduce_op: ReduceOp | None) -> np.ndarray:
@@ -126,6 +165,19 @@ def differences(found: np.ndarray) -> list[str]:
     return list(lines.values()) or ["the signature hash"]
 
 
+def kind_differences(mine: tuple[object, ...], theirs: tuple[object, ...]) -> str:
+    """Return how two ranks' first-use kinds (``first.First.kind``) differ, as a check says it.
+
+    A kind of a checked op is ``(op, *fields(...))``; any other is shown whole.
+    """
+    if len(mine) == len(theirs) == FIELDS + 1 and mine[0] == theirs[0]:
+        a = np.asarray(mine[1:], dtype=np.int64)
+        b = np.asarray(theirs[1:], dtype=np.int64)
+        found = np.concatenate([[0], np.maximum(a, b), [0], -np.minimum(a, b)])
+        return "; ".join(differences(found))
+    return f"{mine!r} .. {theirs!r}"
+
+
 class Check:
     """One group's signature checks on one GPU: the ring of results and their events."""
 
@@ -149,30 +201,38 @@ class Check:
         runtime = cuda.runtime
         self._copy, self._record = runtime.memcpyAsync, runtime.eventRecord
         self._next = 0
-        self._pending: deque[tuple[int, str]] = deque()
+        self._pending: deque[tuple[int, str, Any]] = deque()
 
-    def issue(self, op: str, send: Any, comm: Any, stream: int) -> None:
+    def full(self) -> bool:
+        """Return whether every slot holds a result not yet read: ``issue`` needs one read."""
+        return len(self._pending) == SLOTS
+
+    def oldest_event(self) -> Any:
+        """Return the event of the oldest result not yet read (the ring is not empty)."""
+        return self._events[self._pending[0][0]]
+
+    def issue(self, op: str, send: Any, comm: Any, stream: int, keep: Any = None) -> None:
         """Queue the allreduce of ``send`` (the op's words) and the copy of its result.
 
         All three calls go on ``stream``: the op's own, or the group's comm stream
-        when the group checks beside its ops (``SIDE``).
+        when the group checks beside its ops (``SIDE``). ``keep`` (the words' buffers)
+        is held until the result is read, so that the memory ``send`` points to is never
+        freed, and handed to another allocation, while the allreduce may still read it.
 
         Raises:
-            CollectiveError: the slot to reuse has not been read: 64 ops are in flight.
+            CollectiveError: the ring is full (``full``): the caller reads a slot first.
 
         """
         pending = self._pending
         if len(pending) == SLOTS:
-            raise CollectiveError(
-                f"{SLOTS} NCCL ops are in flight on one GPU and the oldest has not finished"
-            )
+            raise CollectiveError(f"the ring of {SLOTS} signature checks is full")
         slot = self._next
         self._next = slot + 1 if slot + 1 < SLOTS else 0
         result, host, event = self._slots[slot]
         comm.allReduce(send, result, _COUNT, _INT64, _MAX, stream)
         self._copy(host, result, _COUNT * 8, _D2H, stream)
         self._record(event, stream)
-        pending.append((slot, op))
+        pending.append((slot, op, keep))
 
     def read(self) -> str | None:
         """Read every finished result in order; return the first mismatch's message, if any.
@@ -184,7 +244,7 @@ class Check:
         pending = self._pending
         runtime = self._cuda.runtime
         while pending:
-            slot, op = pending[0]
+            slot, op, _ = pending[0]
             status = runtime.eventQuery(self._events[slot].ptr)
             if status:
                 if status == NOT_READY:
@@ -205,4 +265,4 @@ class Check:
 
     def events(self) -> list[Any]:
         """Return the events of the results not yet read."""
-        return [self._events[slot] for slot, _ in self._pending]
+        return [self._events[slot] for slot, _, _ in self._pending]

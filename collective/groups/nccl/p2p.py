@@ -57,7 +57,8 @@ class NcclPointToPoint(NcclRunning):
 
             def communicators(timeout: timedelta) -> list[Any]:
                 key = ("p2p", low, high)
-                return self._communicators(key, store_key, [b.device], 2, [mine], timeout)
+                members = (low[0], high[0])
+                return self._communicators(key, store_key, [b.device], 2, [mine], timeout, members)
 
             def device_calls(_: int, comm: Any, stream: int) -> list[NcclCall]:
                 return [(getattr(comm, op), (b.ptr, count, b.nccl_dtype, 1 - mine, stream))]

@@ -29,6 +29,7 @@ input early is safe.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -37,11 +38,18 @@ from collective.frameworks import cuda_buffers
 from collective.groups.launches import Launch as PublicLaunch
 from collective.groups.launches import Prepared
 from collective.groups.nccl.checking import NcclChecking
-from collective.groups.nccl.cuda import NcclWork, settled
+from collective.groups.nccl.cuda import DONE, NcclWork, settled
+from collective.groups.nccl.first import First
+from collective.groups.nccl.guard import ISSUE
 from collective.groups.nccl.launch import LAUNCHES_KEPT, Launch, build
 from collective.groups.nccl.lifecycle import Builder
 from collective.types import ArgumentValueError, CollectiveError, ReduceOp
 from collective.work import Work
+
+_ASYNC_CAPTURE = (
+    "async_op=True cannot be captured in a CUDA graph: its events and Work.wait cannot "
+    "run inside a capture; capture the blocking op (async_op=False) instead"
+)
 
 OpParts = tuple[Sequence[Any], tuple[Any, ...], Builder, "tuple[int, ReduceOp | None] | None"]
 """How a call of an op is described: ``(buffers, extra, builder, signed)``.
@@ -176,11 +184,14 @@ class NcclRunning(NcclChecking):
         devices = tuple(cuda_buffers.cuda_buffer(a, "tensor").device for a in device_buffers)
         with self._op_lock:
             self._check_usable(self._destroyed)
+            callers = tuple(map(cuda_buffers.current_stream, device_buffers))
+            capturing = any(map(self._watch.capturing, callers))
+            if capturing and async_op:
+                raise ArgumentValueError(_ASYNC_CAPTURE)
+            self._capturing = capturing  # no communicator is made during a capture
             try:
                 comms = communicators(timeout)
-                callers = tuple(map(cuda_buffers.current_stream, device_buffers))
                 streams = tuple(map(self._stream, devices)) if async_op else callers
-                capturing = not async_op and self._watch.capturing(streams[0])
                 markers = tuple(
                     self._watch.marker(s, d)
                     for s, d in zip(streams, devices, strict=True)
@@ -197,8 +208,15 @@ class NcclRunning(NcclChecking):
                     first = (device_buffers[0], devices[0], comms[0], streams[0])
                     check = self._signed(check_as or op, *first, *signed, timeout)
                 launch = build(op, devices, comms, streams, device_calls, markers, check, callers)
+                name, members = self.names[id(comms[0])]
+                kind = self._kind(op, check_as, signed, device_buffers, key[2])
+                launch = replace(launch, first=First(name, members, kind))
+            except ArgumentValueError:
+                raise
             except Exception as exc:
                 raise self._fail(f"{op} (nccl init)", timeout, exc) from exc
+            finally:
+                self._capturing = False
             kept = None not in key[3] and not capturing
             if kept:
                 with self._lock:
@@ -222,23 +240,30 @@ class NcclRunning(NcclChecking):
             if not self._open:
                 self._check_usable(self._destroyed)
             capturing = self._watch.capturing(launch.streams[0])
+            self._connect(launch, timeout, capturing)
             signed, single = launch.signed, launch.single
-            try:
-                if signed is not None and not capturing:
-                    found = signed.check.read()
-                    if found is not None:
-                        raise self._mismatched(found)
-                    signed.check.issue(launch.op, signed.ptr, signed.comm, signed.stream)
-                elif self._checks and not self._checking and not capturing:
-                    failed = self._mismatch()  # the agreements (``agree``) issued before
-                    if failed is not None:
-                        raise failed
-                if single is not None:
-                    single[0](*single[1])
-                else:
-                    launch.issue(self._nccl, self._cuda)
-            except Exception as exc:
-                raise self._fail(launch.op, timeout, exc) from exc
+            with self._guard.calling() as allowed:
+                if not allowed:
+                    self._check_usable(self._destroyed)
+                try:
+                    if signed is not None and not capturing:
+                        found = signed.check.read()
+                        if found is not None:
+                            raise self._mismatched(found)
+                        self._room(signed, timeout)
+                    elif self._checks and not self._checking and not capturing:
+                        failed = self._mismatch()  # the agreements (``agree``) issued before
+                        if failed is not None:
+                            raise failed
+                    with ISSUE.held(self._cuda, launch.devices):
+                        if signed is not None and not capturing:
+                            self._check_op(launch.op, signed)
+                        if single is not None:
+                            single[0](*single[1])
+                        else:
+                            launch.issue(self._nccl, self._cuda)
+                except Exception as exc:
+                    raise self._fail(launch.op, timeout, exc) from exc
             number = 0
             if launch.counted:
                 number = self._issued = self._issued + 1
@@ -260,45 +285,55 @@ class NcclRunning(NcclChecking):
         with self._op_lock:
             if not self._open:
                 self._check_usable(self._destroyed)
+            if any(map(self._watch.capturing, launch.callers)):
+                raise ArgumentValueError(_ASYNC_CAPTURE)
+            self._connect(launch, timeout, False)
             if self._checks:
                 found = self._mismatch()
                 if found is not None:
                     raise found
             devices, streams = launch.devices, launch.streams
             signed, single = launch.signed, launch.single
-            try:
-                if signed is not None and self._side:  # beside the op: it waits for nothing
-                    signed.check.issue(launch.op, signed.ptr, signed.comm, signed.stream)
-                for device, stream, caller in zip(devices, streams, launch.callers, strict=True):
-                    free = pool.get(device)
-                    event = free.pop() if free else self._new_event(device)
-                    ready.append(event)
-                    with cuda.Device(device):
-                        runtime.eventRecord(event.ptr, caller)
-                        runtime.streamWaitEvent(stream, event.ptr, 0)
-                if signed is not None and not self._side:
-                    signed.check.issue(launch.op, signed.ptr, signed.comm, signed.stream)
-                if single is not None:
-                    single[0](*single[1])
-                else:
-                    launch.issue(self._nccl, cuda)
-                for device, stream in zip(devices, streams, strict=True):
-                    free = pool.get(device)
-                    event = free.pop() if free else self._new_event(device)
-                    done.append(event)
-                    with cuda.Device(device):
-                        runtime.eventRecord(event.ptr, stream)
-                cuda_buffers.record_streams(buffers, devices, streams)
-            except Exception as exc:
-                raise self._fail(launch.op, timeout, exc) from exc
+            with self._guard.calling() as allowed:
+                if not allowed:
+                    self._check_usable(self._destroyed)
+                try:
+                    if signed is not None:
+                        self._room(signed, timeout)
+                    with ISSUE.held(cuda, devices):
+                        if signed is not None and self._side:  # beside the op: waits for nothing
+                            self._check_op(launch.op, signed)
+                        for device, stream, caller in zip(
+                            devices, streams, launch.callers, strict=True
+                        ):
+                            free = pool.get(device)
+                            event = free.pop() if free else self._new_event(device)
+                            ready.append(event)
+                            with cuda.Device(device):
+                                runtime.eventRecord(event.ptr, caller)
+                                runtime.streamWaitEvent(stream, event.ptr, 0)
+                        if signed is not None and not self._side:
+                            self._check_op(launch.op, signed)
+                        if single is not None:
+                            single[0](*single[1])
+                        else:
+                            launch.issue(self._nccl, cuda)
+                        for device, stream in zip(devices, streams, strict=True):
+                            free = pool.get(device)
+                            event = free.pop() if free else self._new_event(device)
+                            done.append(event)
+                            with cuda.Device(device):
+                                runtime.eventRecord(event.ptr, stream)
+                    cuda_buffers.record_streams(buffers, devices, streams)
+                except Exception as exc:
+                    raise self._fail(launch.op, timeout, exc) from exc
             number = 0
             if launch.counted:
                 number = self._issued = self._issued + 1
                 self._last_op = launch.op
             watch = self._watch
             for marker in launch.markers:
-                if not watch.capturing(marker.stream):
-                    watch.issued(marker, launch.op, timeout, number)
+                watch.issued(marker, launch.op, timeout, number)
             for device, event in zip(devices, ready, strict=True):
                 pool.setdefault(device, []).append(event)
         with self._lock:
@@ -318,7 +353,7 @@ class NcclRunning(NcclChecking):
             launch.op,
             cuda,
             done,
-            self._all_comms(),
+            self._probe,
             order_after,
             self._fail,
             timeout,
@@ -356,22 +391,3 @@ class NcclRunning(NcclChecking):
             finally:
                 self._op_lock.release()
         return self._error
-
-
-class _Done(Work):
-    """The ``Work`` of a blocking op: queued on the caller's stream, which orders what follows."""
-
-    def wait(self, timeout: timedelta | None = None) -> None:
-        """Return at once: later work on the caller's stream runs after the op."""
-
-    def is_completed(self) -> bool:
-        """Return True."""
-        return True
-
-    def exception(self) -> BaseException | None:
-        """Return None; a failure the watchdog finds fails the group's next call."""
-        return None
-
-
-DONE = _Done()
-"""The one ``Work`` every blocking op returns."""

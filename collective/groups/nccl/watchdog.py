@@ -1,22 +1,27 @@
 """The NCCL watchdog: every op is watched against its timeout without blocking the caller.
 
 A blocking op returns as soon as its NCCL calls are queued on the caller's stream,
-so nobody waits for it on the host. Each stream a group's ops run on has one
-reusable CUDA event (a ``Marker``): after each op the group records it on that
-stream and, if no op of that stream was pending, notes the op and its deadline.
-One thread per process (``WATCHDOG``) queries every pending marker a few times a
-second (it keeps a group for ``LINGER_S`` after its last op, so back-to-back ops
-never wake it): once its event has completed, every op queued on that stream before it
-has finished; if the deadline passes first, or a communicator reports an
-asynchronous NCCL error, the group fails: its communicators are aborted (so the
-stuck kernel exits and the caller's stream moves on), and the next call on the
-group, and ``wait`` on its ``Work``, raise the error.
+so nobody waits for it on the host. After each op the group records an event on each
+stream the op ran on, from that stream's ``Marker``: a queue of the ops not yet seen
+finished there, each with its own event and deadline (a query reflects only an
+event's latest record, so one event re-recorded per op would read as unfinished for
+as long as the stream is never idle, and a stream kept busy longer than the timeout
+by ops that all finish would fail). One thread per process (``WATCHDOG``) queries the
+oldest pending op of every marker a few times a second (it keeps a group for
+``LINGER_S`` after its last op, so back-to-back ops never wake it): once its event has
+completed, that op and every op queued on the stream before it have finished; if an
+op's deadline passes first, or a communicator reports an asynchronous NCCL error,
+the group fails: its communicators are aborted (so the stuck kernel exits and the
+caller's stream moves on), and the next call on the group, and ``wait`` on its
+``Work``, raise the error.
 
 Recording an event is a stream operation and querying it is not, so both stay
 out of CUDA-graph capture: an op captured into a graph records no marker (a
 graph's replay is the user's to synchronise), and while any stream that an op
-was captured on still captures, the thread queries nothing, since an event query
-in another thread can invalidate a capture in CUDA's global capture mode.
+was captured on still captures, the thread queries nothing. The thread also sets its
+own capture mode to thread-local (``cuThreadExchangeStreamCaptureMode``), so that its
+queries never invalidate a capture another thread runs in CUDA's global mode (as
+PyTorch's NCCL watchdog does since pytorch/pytorch#148594).
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective.groups.nccl.cuda import events_done
+from collective.groups.nccl.cuda import CAPTURE_THREAD_LOCAL, events_done, exchange_capture_mode
+from collective.types import ArgumentValueError
 
 POLL_S = 0.02
 """How often the watchdog queries the pending ops of every group."""
@@ -39,22 +47,38 @@ LINGER_S = 1.0
 _CAPTURE_NONE = 0
 """``cudaStreamCaptureStatusNone``."""
 
+_CAPTURE_IMPLICIT = 906
+"""``cudaErrorStreamCaptureImplicit``: the legacy stream asked about while a blocking
+stream of its device captures."""
+
+PENDING_KEPT = 256
+"""Ops a marker tracks one by one; later ones share the newest entry's event."""
+
+
+@dataclass
+class Pending:
+    """An op queued on a marker's stream and not yet seen finished."""
+
+    event: Any
+    deadline: float
+    op: str
+    timeout: timedelta
+    number: int
+    """The group's count of collectives when ``op`` was issued (0: not counted)."""
+
 
 class Marker:
-    """One stream's reusable event and the oldest op on it not yet seen finished."""
+    """One stream's ops not yet seen finished, oldest first, and their events."""
 
-    __slots__ = ("deadline", "device", "event", "number", "op", "stream", "timeout")
+    __slots__ = ("device", "free", "pending", "stream")
 
-    def __init__(self, event: Any, stream: int, device: int) -> None:
-        """Watch ``stream`` of GPU ``device`` with cupy ``event``, idle."""
-        self.event = event
+    def __init__(self, stream: int, device: int) -> None:
+        """Watch ``stream`` of GPU ``device``, idle."""
         self.stream = stream
         self.device = device
-        self.deadline: float | None = None
-        self.op = ""
-        self.number = 0
-        """The group's count of collectives when ``op`` was issued (0: not counted)."""
-        self.timeout = timedelta(0)
+        self.pending: deque[Pending] = deque()
+        self.free: list[Any] = []
+        """Events of ops seen finished, to reuse."""
 
 
 class Watch:
@@ -68,12 +92,14 @@ class Watch:
         self,
         cuda: Any,
         lock: threading.Lock,
-        comms: Callable[[], Sequence[Any]],
+        probe: Callable[[], None],
         fail: Callable[[str, timedelta, BaseException, int], Any],
         mismatch: Callable[[], BaseException | None] = lambda: None,
         unread: Callable[[], list[Any]] = list,
     ) -> None:
-        """Watch ops issued under ``lock`` on ``comms()``; ``fail`` ends the group.
+        """Watch ops issued under ``lock``; ``probe()`` polls their communicators' errors.
+
+        ``fail`` ends the group.
 
         ``fail(op, timeout, exc, number)`` gets the group's count of collectives when
         the failed op was issued (0 when not known).
@@ -84,7 +110,7 @@ class Watch:
         """
         self._cuda = cuda
         self._lock = lock
-        self._comms = comms
+        self._probe = probe
         self._fail = fail
         self._mismatch = mismatch
         self._unread = unread
@@ -98,19 +124,29 @@ class Watch:
         """Return the marker of ``stream`` on GPU ``device``, made on first use."""
         found = self.markers.get(stream)
         if found is None:
-            cuda = self._cuda
-            with cuda.Device(device):
-                event = cuda.Event(disable_timing=True)
-            found = self.markers[stream] = Marker(event, stream, device)
+            found = self.markers[stream] = Marker(stream, device)
         return found
 
     def capturing(self, stream: int) -> bool:
-        """Return whether ``stream`` captures a CUDA graph; the watchdog then waits."""
+        """Return whether ``stream`` captures a CUDA graph; the watchdog then waits.
+
+        Raises:
+            ArgumentValueError: ``stream`` captures a graph that an error invalidated.
+            RuntimeError: CUDA refuses the stream (``CUDARuntimeError``).
+
+        """
         runtime = self._cuda.runtime
         try:
             capturing = runtime.streamIsCapturing(stream) != _CAPTURE_NONE
-        except runtime.CUDARuntimeError:
-            capturing = True  # e.g. the legacy stream while another thread captures
+        except runtime.CUDARuntimeError as exc:
+            if getattr(exc, "status", None) != _CAPTURE_IMPLICIT:
+                raise
+            capturing = True  # the legacy stream while a blocking stream captures
+        except RuntimeError as exc:  # cupy's word for an invalidated capture
+            raise ArgumentValueError(
+                f"the caller's stream {stream:#x} captures a CUDA graph that an earlier error "
+                f"invalidated ({exc}); end that capture (it fails) before the next op"
+            ) from exc
         if capturing:
             WATCHDOG.captured(runtime, stream)
         return capturing
@@ -118,23 +154,32 @@ class Watch:
     def issued(self, marker: Marker, op: str, timeout: timedelta, number: int = 0) -> None:
         """Mark that ``op`` was just queued on ``marker``'s stream (never during capture).
 
-        The marker's deadline is the earliest of its pending ops': an op with a short
-        timeout behind one with a long timeout ends at its own. ``number`` is the
-        group's count of collectives with ``op`` (0 for a send or receive).
+        Records an event of the op's own on the stream, on the stream's GPU (the
+        legacy stream's handle names the current device's). Each op ends at its own
+        deadline, even behind one with a longer timeout. ``number`` is the group's
+        count of collectives with ``op`` (0 for a send or receive).
         """
-        self._cuda.runtime.eventRecord(marker.event.ptr, marker.stream)
+        cuda = self._cuda
+        pending = marker.pending
         deadline = time.monotonic() + timeout.total_seconds()
-        earliest = marker.deadline
-        if earliest is None or deadline < earliest:
-            marker.op, marker.timeout, marker.deadline = op, timeout, deadline
-            marker.number = number
-            if earliest is None and not self.patrolled:
-                WATCHDOG.wake(self)
+        with cuda.Device(marker.device):
+            if len(pending) >= PENDING_KEPT:  # the newest entry stands for this op too
+                last = pending[-1]
+                event = last.event
+                if deadline < last.deadline:
+                    last.deadline, last.op, last.timeout = deadline, op, timeout
+                    last.number = number
+            else:
+                event = marker.free.pop() if marker.free else cuda.Event(disable_timing=True)
+                pending.append(Pending(event, deadline, op, timeout, number))
+            cuda.runtime.eventRecord(event.ptr, marker.stream)
+        if len(pending) == 1 and not self.patrolled:
+            WATCHDOG.wake(self)
 
     def pending(self) -> list[Any]:
         """Return the events of the ops not yet seen finished, and of the checks not yet read."""
-        markers = [m.event for m in list(self.markers.values()) if m.deadline is not None]
-        return markers + self._unread()
+        ops = [p.event for m in list(self.markers.values()) for p in list(m.pending)]
+        return ops + self._unread()
 
     def patrol(self, now: float) -> bool:
         """Query the pending markers once; fail the group on an error or a passed deadline.
@@ -162,19 +207,21 @@ class Watch:
             self.stopped = True
             return False
         for marker in list(self.markers.values()):
-            if marker.deadline is None or self.stopped:
-                continue
+            pending = marker.pending
+            if self.stopped:
+                break
             try:
-                if events_done(self._cuda, [marker.event]):
-                    marker.deadline = None
+                while pending and events_done(self._cuda, [pending[0].event]):
+                    marker.free.append(pending.popleft().event)
+                if not pending:
                     continue
-                for comm in self._comms():
-                    comm.check_async_error()
+                self._probe()
             except RuntimeError as exc:
-                self._end(marker, exc)
+                self._end(pending[0] if pending else None, exc)
                 return False
-            if now >= marker.deadline:
-                self._end(marker, TimeoutError(_stuck(marker)))
+            late = next((p for p in pending if now >= p.deadline), None)
+            if late is not None:
+                self._end(late, TimeoutError(_stuck(marker)))
                 return False
             busy = True
         if busy or self._unread():
@@ -187,12 +234,14 @@ class Watch:
         self.patrolled, self._idle_since = False, None
         return False
 
-    def _end(self, marker: Marker, exc: BaseException) -> None:
+    def _end(self, failed: Pending | None, exc: BaseException) -> None:
         self.stopped = True
-        op, timeout, number = marker.op, marker.timeout, marker.number
-        for m in self.markers.values():
-            m.deadline = None
-        self._fail(op, timeout, exc, number)
+        for marker in self.markers.values():  # the group fails: none of its ops is awaited
+            marker.pending.clear()
+        if failed is None:
+            self._fail("nccl op", timedelta(0), exc, 0)
+        else:
+            self._fail(failed.op, failed.timeout, exc, failed.number)
 
 
 def _stuck(marker: Marker) -> str:
@@ -213,6 +262,8 @@ class Watchdog:
         self._captures: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
         self._signal = threading.Event()
+        self._relaxed = False
+        """Whether the thread's capture mode is thread-local (see the module)."""
 
     def wake(self, watch: Watch) -> None:
         """Make sure ``watch`` is patrolled: its first op since it was last idle was issued."""
@@ -226,6 +277,15 @@ class Watchdog:
                 self._thread.start()
         self._signal.set()
 
+    def _relax(self) -> None:
+        """Make this thread's queries safe during other threads' global-mode captures."""
+        if not self._relaxed:
+            try:
+                exchange_capture_mode(CAPTURE_THREAD_LOCAL)
+                self._relaxed = True
+            except (OSError, RuntimeError):
+                pass  # no CUDA driver in this process: nothing captures either
+
     def captured(self, runtime: Any, stream: int) -> None:
         """Note that an op was captured on ``stream``: no queries while it captures."""
         with self._lock:
@@ -238,29 +298,41 @@ class Watchdog:
             try:
                 if runtime.streamIsCapturing(stream) != _CAPTURE_NONE:
                     return True
-            except runtime.CUDARuntimeError:
-                return True
+            except runtime.CUDARuntimeError as exc:
+                if getattr(exc, "status", None) == _CAPTURE_IMPLICIT:
+                    return True
+                # the stream is gone (destroyed): it captures nothing any more
+            except RuntimeError:
+                return True  # cupy's word for a capture an error invalidated: still open
             with self._lock:
                 self._captures.pop(stream, None)
         return False
 
     def _run(self) -> None:
         while True:
-            self._signal.wait(POLL_S)
-            self._signal.clear()
-            with self._lock:
-                watches = list(self._watches)
-            if not watches:
-                self._signal.wait()
-                continue
-            if self._capturing():
-                continue
-            now = time.monotonic()
-            for watch in watches:
-                if not watch.patrol(now):
-                    with self._lock:  # ``wake`` adds it back under this lock
-                        if watch.stopped or not watch.pending():
-                            self._watches.discard(watch)
+            try:
+                self._round()
+            except Exception:  # never let the process's watchdog die: the next round retries
+                time.sleep(POLL_S)
+
+    def _round(self) -> None:
+        """Patrol every watched group once (or sleep until one is watched)."""
+        self._relax()
+        self._signal.wait(POLL_S)
+        self._signal.clear()
+        with self._lock:
+            watches = list(self._watches)
+        if not watches:
+            self._signal.wait()
+            return
+        if self._capturing():
+            return
+        now = time.monotonic()
+        for watch in watches:
+            if not watch.patrol(now):
+                with self._lock:  # ``wake`` adds it back under this lock
+                    if watch.stopped or not watch.pending():
+                        self._watches.discard(watch)
 
 
 WATCHDOG = Watchdog()
