@@ -2,6 +2,11 @@
 
 Usage: python -m benchmarks.gpu_results --from $OUT/bench.json [--topology FILE]
        [--interconnect TEXT] [--to docs/performance/gpu.json] [--readme README.md]
+       python -m benchmarks.gpu_results --tests $OUT/pytest.log --env $OUT/env.txt
+
+``--tests`` records where each GPU feature ran (``benchmarks.gpu_runs``): the run's
+passed, failed and skipped GPU tests per feature, appended to
+``docs/performance/gpu-runs.json``, whose table ``docs/gpu-status.md`` shows.
 
 ``bash tests/gpu/run.sh`` writes ``$OUT/bench.json``: ``python -m benchmarks.nccl``'s
 run, with the results of ranks that share one GPU under ``"shared_gpu"``. This command
@@ -23,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks import gpu_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_JSON = ROOT / "docs" / "performance" / "gpu.json"
@@ -286,12 +293,29 @@ def readme_block_of(readme: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Check a run, write it as the committed GPU run and rewrite the README's GPU lines."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_results", description=__doc__)
-    parser.add_argument("--from", dest="source", type=Path, required=True, help="bench.json")
+    parser.add_argument("--from", dest="source", type=Path, help="bench.json")
+    parser.add_argument("--tests", type=Path, help="pytest.log: record where each feature ran")
+    parser.add_argument("--env", type=Path, help="env.txt of the same run, with --tests")
     parser.add_argument("--topology", type=Path, help="what nvidia-smi topo -m printed")
     parser.add_argument("--interconnect", help="the interconnect in words, if no topology")
     parser.add_argument("--to", type=Path, default=GPU_JSON)
     parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args(argv)
+    if args.tests is not None:
+        if args.env is None:
+            parser.error("--tests needs --env (the env.txt of the same run)")
+        try:
+            gpu_runs.record(
+                args.tests.read_text(encoding="utf-8"), args.env.read_text(encoding="utf-8")
+            )
+        except ValueError as exc:
+            print(f"{args.tests} is not a GPU run to record: {exc}", file=sys.stderr)
+            return 1
+        print(f"recorded the run in {gpu_runs.RECORD_NAME} and its table; commit both")
+    if args.source is None:
+        if args.tests is None:
+            parser.error("give --from bench.json, --tests pytest.log, or both")
+        return 0
     body = json.loads(args.source.read_text(encoding="utf-8"))
     meta = body.setdefault("meta", {})
     if args.topology:

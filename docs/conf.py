@@ -93,6 +93,7 @@ SECTIONS = {
         "api",
         "backends",
         "support-matrix",
+        "gpu-status",
         "environment",
         "troubleshooting",
         "contributing",

@@ -779,9 +779,9 @@ class Memory:
 
         def flat() -> np.ndarray | None:
             found = ref()
-            return None if found is None else found.view(np.uint8).reshape(-1)
+            return None if found is None else found.reshape(-1).view(np.uint8)
 
-        return self._add(array.view(np.uint8).reshape(-1), flat)
+        return self._add(array.reshape(-1).view(np.uint8), flat)
 
     def _add(self, array: np.ndarray, ref: Callable[[], np.ndarray | None]) -> int:
         base = int(array.ctypes.data)
@@ -800,18 +800,19 @@ class Memory:
     def view(self, ptr: int, nbytes: int) -> np.ndarray | None:
         """Return the ``nbytes`` at ``ptr`` as uint8, or None if no live allocation holds them."""
         with self._lock:
+            # the nearest base below may be a dead array's, or a live one's that ends
+            # first (a smaller array inside a larger one's bytes): look further down
             i = bisect.bisect_right(self._bases, ptr) - 1
-            if i < 0:
-                return None
-            base = self._bases[i]
-            array = self._arrays[base]()
-            if array is None:
-                del self._arrays[base]
-                self._bases.pop(i)
-                return None
-        if ptr + nbytes > base + array.size:
+            while i >= 0:
+                base = self._bases[i]
+                array = self._arrays[base]()
+                if array is None:
+                    del self._arrays[base]
+                    self._bases.pop(i)
+                elif ptr + nbytes <= base + array.size:
+                    return array[ptr - base : ptr - base + nbytes]
+                i -= 1
             return None
-        return array[ptr - base : ptr - base + nbytes]
 
     def copy(self, dst: int, src: int, nbytes: int) -> bool:
         """Copy ``nbytes`` from ``src`` to ``dst`` if both are known; return whether copied."""

@@ -12,7 +12,6 @@ suite (``test_nccl_contract_mismatch.py``: ``NCCLGroup.agree``).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -47,7 +46,7 @@ from collective.types import (
     ScatterOptions,
     SendOptions,
 )
-from tests.shared_gpu_standin import HostDevice, HostGpu
+from tests.shared_gpu_standin import HostDevice, HostGpu, device_empty, host_stage
 from tests.test_gloo_group import JOIN_TIMEOUT_S, _client_store, _master_store, _run_threads
 from tests.test_shared_gpu_group import HOST_BUFFERS, _data, _our_files
 
@@ -55,10 +54,11 @@ TIMEOUT = timedelta(seconds=20)
 
 HOST_ARRAYS = Arrays(
     lambda view, dtype: view.view(dtype),
-    lambda nbytes: np.empty(nbytes, np.uint8),
-    lambda x, stream: contextlib.nullcontext(),
+    device_empty,
+    lambda x, stream: host_stage(),
 )
-"""numpy arrays for the hierarchy's own device arrays."""
+"""The stand-in GPU's arrays for the hierarchy's own device arrays; its stood-in NCCL calls
+run on the host once the op's stream reached them."""
 
 
 class HostStages:
@@ -169,7 +169,7 @@ def run_layout(
     devices: list[HostGpu] | None = None,
 ) -> list[Any]:
     """Run ``fn(group, rank)`` with rank r on stood-in GPU ``gpus[r]``; destroy the group after."""
-    found = devices or [HostGpu(f"gpu-{i}") for i in range(max(gpus) + 1)]
+    found = devices or [HostGpu(f"gpu-{i}", blocking=True) for i in range(max(gpus) + 1)]
 
     def checked(group: Any, rank: int) -> Any:
         assert isinstance(group, GpuHierarchyGroup)
@@ -362,7 +362,7 @@ def test_ops_that_differ_on_one_gpu_raise_on_every_rank_and_nothing_is_written()
 
 
 def test_groups_made_and_destroyed_leave_nothing() -> None:
-    devices = [HostGpu("gpu-0"), HostGpu("gpu-1")]
+    devices = [HostGpu("gpu-0", blocking=True), HostGpu("gpu-1", blocking=True)]
     before = _our_files()
 
     def fn(g: GpuHierarchyGroup, rank: int) -> None:

@@ -101,7 +101,7 @@ def run_routed(
     group_timeout: timedelta = TIMEOUT,
 ) -> list[Any]:
     """Run ``fn(group, rank)`` on a group built as ``backend="nccl"`` does; destroy it after."""
-    gpu = HostGpu()
+    gpu = HostGpu(blocking=True)
     return run_on_gpus(
         world_size, fn, lambda rank: HostDevice(gpu, rank), make=make, group_timeout=group_timeout
     )

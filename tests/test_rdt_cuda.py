@@ -13,6 +13,8 @@ logged, and the stood-in GPU holds no allocation or event once the objects are f
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import threading
 import time
@@ -22,11 +24,12 @@ from typing import Any
 import pytest
 import torch
 
+from collective.groups.shm.arena import NAME_PREFIX, SHM_DIR
 from collective.ray_plugins import shm_transport
 from collective.ray_plugins.cuda_buffer import ALIGN, CudaIpcMetadata
 from collective.ray_plugins.shm_transport import ShmCommunicatorMetadata, ShmTransport
 from collective.types import CollectiveError, CollectiveTimeoutError
-from tests.shared_gpu_standin import HostDevice, HostGpu
+from tests.shared_gpu_standin import HostDevice, HostGpu, gpu_tensor
 
 STREAM = 0x5A5A
 """The current stream every stood-in process reports."""
@@ -35,24 +38,33 @@ SIDE = 0x5151
 """The side stream every stood-in process reads on."""
 
 
-class QueryDevice(HostDevice):
-    """A ``HostDevice`` that answers ``query``: complete, unless the GPU is held ``stuck``."""
+class Stuck:
+    """A switch that holds the stood-in GPU still: nothing runs on it while set."""
 
-    def __init__(self, gpu: HostGpu, rank: int, stuck: threading.Event) -> None:
-        super().__init__(gpu, rank)
-        self.stuck = stuck
+    def __init__(self, gpu: HostGpu) -> None:
+        self._gpu = gpu
+        self._held: contextlib.ExitStack | None = None
 
-    def query(self, event: int) -> bool:
-        with self.gpu.lock:
-            if event not in self.gpu.events:
-                self.gpu.misuse.append(f"rank {self.rank} queried a destroyed event")
-        return not self.stuck.is_set()
+    def set(self) -> None:
+        if self._held is None:
+            self._held = contextlib.ExitStack()
+            self._held.enter_context(self._gpu.clock.paused())
+
+    def clear(self) -> None:
+        """Let the GPU run again, and wait until it has caught up."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
+            self._gpu.clock.run_until_idle()
+
+    def is_set(self) -> bool:
+        return self._held is not None
 
 
 class StandinGpus:
-    """One process's GPUs: ``QueryDevice``s by UUID; CPU tensors stand for CUDA ones."""
+    """One process's GPUs: ``HostDevice``s by UUID; CPU tensors stand for CUDA ones."""
 
-    def __init__(self, devices: list[QueryDevice], node: str = "node-a") -> None:
+    def __init__(self, devices: list[HostDevice], node: str = "node-a") -> None:
         self.devices = {d.uuid(): d for d in devices}
         self.node = node
         self.on_host: set[int] = set()
@@ -63,10 +75,10 @@ class StandinGpus:
     def holds(self, tensor: Any) -> bool:
         return id(tensor) not in self.on_host
 
-    def device(self, tensor: Any) -> QueryDevice:
+    def device(self, tensor: Any) -> HostDevice:
         return self.devices[self.placed.get(id(tensor), next(iter(self.devices)))]
 
-    def find(self, uuid: str) -> QueryDevice | None:
+    def find(self, uuid: str) -> HostDevice | None:
         return self.devices.get(uuid)
 
     def uuids(self) -> list[str]:
@@ -79,7 +91,7 @@ class StandinGpus:
         return SIDE
 
     def empty(self, nbytes: int, device: Any) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return gpu_tensor(nbytes)  # memory the stood-in GPU knows as its own
 
     def node_id(self) -> str:
         return self.node
@@ -90,8 +102,8 @@ class Machine:
 
     def __init__(self, consumers: int = 3) -> None:
         self.gpu = HostGpu("GPU-standin-0@0000:3b:00")
-        self.stuck = threading.Event()
-        self.devices = [QueryDevice(self.gpu, r, self.stuck) for r in range(consumers + 1)]
+        self.stuck = Stuck(self.gpu)
+        self.devices = [HostDevice(self.gpu, r) for r in range(consumers + 1)]
         self.gpus = [StandinGpus([d]) for d in self.devices]
         self.transports = [ShmTransport(gpus=g) for g in self.gpus]
 
@@ -151,6 +163,12 @@ def machine() -> Iterator[Machine]:
     yield m
     m.stuck.clear()
     assert m.gpu.misuse == []
+    assert _leases() == []
+
+
+def _leases() -> list[str]:
+    """Return the lease files of this process's objects (``cuda_leases``)."""
+    return [f for f in os.listdir(SHM_DIR) if f.startswith(f"{NAME_PREFIX}{os.getpid()}-lease-")]
 
 
 def test_every_consumer_reads_every_byte_and_waits_on_the_producers_last_record(
@@ -183,7 +201,7 @@ def test_every_consumer_reads_every_byte_and_waits_on_the_producers_last_record(
 def test_a_consumer_reads_into_its_buffers(machine: Machine) -> None:
     want = tensors(2, small=5)
     meta = machine.publish("obj", want)
-    into = [torch.full(t.shape, 7, dtype=t.dtype) for t in want]
+    into = [gpu_tensor(torch.full(t.shape, 7, dtype=t.dtype)) for t in want]
     got = read(machine.consumers[0], meta, into)
     assert all(g is i for g, i in zip(got, into, strict=True))
     assert mismatches(got, want) == []
@@ -268,12 +286,9 @@ def test_concurrent_reads_in_one_process_open_the_handle_once(machine: Machine) 
     assert machine.gpu.live() == (0, 0)
 
 
-def test_abort_ends_a_pending_read_and_its_mapping_closes_once_the_copy_completes(
-    machine: Machine,
-) -> None:
-    want = tensors(5, small=2)
-    meta = machine.publish("obj", want)
-    consumer = machine.consumers[0]
+def abort_a_stuck_read(machine: Machine, consumer: ShmTransport, meta: Any) -> tuple[Any, float]:
+    """Hold the GPU, start a read of ``meta`` in a thread, abort it; return its outcome and
+    how long the abort took to end it (the GPU stays held)."""
     machine.stuck.set()
     outcome: list[Any] = []
 
@@ -288,10 +303,20 @@ def test_abort_ends_a_pending_read_and_its_mapping_closes_once_the_copy_complete
     while not consumer._cuda._reads.count():
         time.sleep(0.001)
     start = time.monotonic()
-    consumer.abort_transport("obj", ShmCommunicatorMetadata())
+    consumer.abort_transport(meta.obj_id, ShmCommunicatorMetadata())
     thread.join(timeout=10)
-    assert time.monotonic() - start < 0.5
-    assert str(outcome[0]) == "Ray aborted the read of object obj"
+    return outcome[0], time.monotonic() - start
+
+
+def test_abort_ends_a_pending_read_and_its_mapping_closes_once_the_copy_completes(
+    machine: Machine,
+) -> None:
+    want = tensors(5, small=2)
+    meta = machine.publish("obj", want)
+    consumer = machine.consumers[0]
+    outcome, took = abort_a_stuck_read(machine, consumer, meta)
+    assert took < 0.5
+    assert str(outcome) == "Ray aborted the read of object obj"
     assert machine.open_anywhere()[1] == (1, 1)  # parked: its copy has not completed
     machine.stuck.clear()
     other = machine.publish("other", [torch.ones(3)])
@@ -337,7 +362,7 @@ def test_another_node_or_another_gpu_is_a_clear_error(machine: Machine) -> None:
     with pytest.raises(CollectiveError, match=r"lies in GPU memory of node node-a.*node node-b"):
         read(machine.consumers[0], meta)
     other = HostGpu("GPU-other@0000:5e:00")
-    machine.gpus[2].devices = {other.uuid: QueryDevice(other, 2, machine.stuck)}
+    machine.gpus[2].devices = {other.uuid: HostDevice(other, 2)}
     with pytest.raises(CollectiveError, match=r"lies on GPU GPU-standin-0.*does not see"):
         read(machine.consumers[1], meta)
     assert machine.open_anywhere() == [(0, 0)] * 4
@@ -351,7 +376,7 @@ def test_mixed_devices_in_one_object_are_refused(machine: Machine) -> None:
         machine.producer.extract_tensor_transport_metadata("obj", [cuda, host])
     second = HostGpu("GPU-standin-1@0000:5e:00")
     elsewhere = torch.ones(3)
-    machine.gpus[0].devices[second.uuid] = QueryDevice(second, 0, machine.stuck)
+    machine.gpus[0].devices[second.uuid] = HostDevice(second, 0)
     machine.gpus[0].placed[id(elsewhere)] = second.uuid
     with pytest.raises(TypeError, match="on one GPU"):
         machine.producer.extract_tensor_transport_metadata("obj", [cuda, elsewhere])
@@ -365,3 +390,26 @@ def test_registering_lets_ray_send_cpu_and_cuda_tensors_through_the_one_name() -
 
     col.register_shm_transport()
     assert util.transport_manager_info["COLLECTIVE_SHM"].devices == ["cpu", "cuda"]
+
+
+def test_the_producer_frees_an_object_only_once_no_parked_read_maps_it(machine: Machine) -> None:
+    """The review's L7: a read that Ray aborted before its copy ran parks its mapping of
+    the producer's buffer; Ray may then garbage-collect the object in the producer. CUDA
+    leaves freeing memory another process still maps undefined: the producer keeps the
+    buffer until the consumer closed its mapping, then frees it at its next call."""
+    want = tensors(6, small=2)
+    meta = machine.publish("obj", want)
+    machine.gpu.clock.run_until_idle()  # the producer's copies are done
+    consumer = machine.consumers[0]
+    outcome, _ = abort_a_stuck_read(machine, consumer, meta)
+    assert isinstance(outcome, CollectiveError)
+    assert machine.open_anywhere()[1] == (1, 1)  # parked: its copy has not run
+    machine.producer.garbage_collect("obj", meta, want)
+    assert machine.gpu.misuse == [], machine.gpu.misuse
+    assert machine.gpu.live()[0] == 1  # the buffer kept: the consumer still maps it
+    machine.stuck.clear()
+    consumer.garbage_collect("unknown", None, [])  # the consumer's next call closes it
+    assert machine.open_anywhere() == [(0, 0)] * 4
+    machine.producer.garbage_collect("unknown", None, [])  # the producer's next call frees it
+    assert machine.gpu.live() == (0, 0)
+    assert machine.gpu.misuse == []

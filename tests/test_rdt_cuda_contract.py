@@ -64,7 +64,8 @@ class _Runtime:
         return call
 
     def _made_up(self, name: str, args: tuple[Any, ...]) -> Any:
-        if name in ("malloc", "ipcOpenMemHandle", "eventCreateWithFlags", "ipcOpenEventHandle"):
+        made = ("malloc", "ipcOpenMemHandle", "eventCreateWithFlags", "ipcOpenEventHandle")
+        if name in (*made, "streamCreateWithFlags"):
             return next(self._ids)
         if name in ("ipcGetMemHandle", "ipcGetEventHandle"):
             return args[0].to_bytes(MEMORY_HANDLE_BYTES, "little")
@@ -216,3 +217,28 @@ def test_a_whole_publish_read_and_free_makes_only_calls_the_binding_accepts() ->
     runtime.calls.clear()
     producer.free("obj")
     assert runtime.calls == ["eventDestroy", "free"]
+
+
+def test_the_side_stream_is_a_raw_stream_of_its_own_made_once_per_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The review's L1: torch's ``Stream()`` hands out its pool's streams round-robin to
+    every user, so a read stuck on a dead producer's event could hold up unrelated torch
+    work. The side stream is a raw non-blocking one, made on its GPU once."""
+    pooled: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pooled.append(a or k))
+    runtime = _Runtime(answer=True)
+    made: list[tuple[Any, int]] = []
+    real = runtime.__getattr__("streamCreateWithFlags")
+
+    def create(flags: Any) -> Any:
+        made.append((flags, runtime.current))
+        return real(flags)
+
+    runtime.__dict__["streamCreateWithFlags"] = create
+    gpus = TorchGpus(_cupy(runtime))
+    device = gpus._at(1)
+    first, second = gpus.side_stream(device), gpus.side_stream(device)
+    assert first == second and isinstance(first, int)
+    assert made == [(real_runtime.streamNonBlocking, 1)]  # once, on its GPU
+    assert pooled == []

@@ -123,7 +123,7 @@ def _tensors(seed: int, fill: bool) -> list[np.ndarray]:
 def _run(world_size: int, fn: Callable[[SharedGpuGroup, int], Any]) -> list[Any]:
     """Run ``fn`` on every rank of a fresh group (see ``run_group``); check the stand-in GPU
     saw no misuse and holds nothing once the group is destroyed."""
-    gpu = HostGpu()
+    gpu = HostGpu(blocking=True)  # the bulk layer's arrays are plain numpy: see HostGpu
     results = run_group(world_size, fn, gpu)
     assert gpu.misuse == []
     assert gpu.live() == (0, 0)

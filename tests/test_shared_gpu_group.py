@@ -50,26 +50,35 @@ from collective.types import (
     ScatterOptions,
     SendOptions,
 )
-from tests.shared_gpu_standin import HostDevice, HostGpu
+from tests.shared_gpu_standin import HostDevice, HostGpu, device_bytes
 from tests.test_gloo_group import JOIN_TIMEOUT_S, _client_store, _master_store, _run_threads
 
 TIMEOUT = timedelta(seconds=20)
 
 
 def describe(x: Any, name: str) -> CudaBuffer:
-    """Describe numpy array ``x`` as ``cuda_buffers.cuda_buffer`` describes a GPU buffer."""
+    """Describe numpy array ``x`` as ``cuda_buffers.cuda_buffer`` describes a GPU buffer.
+
+    The stand-in GPU then knows ``x``'s memory as a GPU buffer, while ``x`` lives.
+    """
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be an array")
     if not x.flags.c_contiguous:
         raise ArgumentValueError(f"{name} is not contiguous")
+    device_bytes(x)
     return CudaBuffer(int(x.ctypes.data), x.size, x.dtype.name, 0, x.dtype.itemsize)
 
 
 def _contiguous_copy(x: np.ndarray) -> tuple[np.ndarray, Callable[[], None]]:
+    """Return a contiguous copy of ``x``, and what writes it back on the current stream."""
     copy = np.ascontiguousarray(x)
+    strided = device_bytes(x.base if x.base is not None else x)
+    at = (int(x.ctypes.data) - int(strided.ctypes.data)) // x.itemsize
 
-    def back() -> None:
-        x[...] = copy
+    def back() -> None:  # a device copy of the staged bytes into x's strided elements
+        typed = strided.view(x.dtype)
+        view = np.lib.stride_tricks.as_strided(typed[at:], x.shape, x.strides, subok=True)
+        view[...] = device_bytes(copy).view(x.dtype).reshape(x.shape)
 
     return copy, back
 
@@ -109,7 +118,14 @@ def run_group(
 
         return run
 
-    return _run_threads([target(r) for r in range(world_size)], JOIN_TIMEOUT_S)
+    results = _run_threads([target(r) for r in range(world_size)], JOIN_TIMEOUT_S)
+    assert gpu.misuse == [], gpu.misuse
+    return results
+
+
+def synchronize(group: Any) -> None:
+    """Wait until the device ran what ``group``'s ops queued: before reading a result."""
+    group._transport.device.synchronize()
 
 
 def _data(seed: int, count: int, dtype: str = "float32") -> np.ndarray:
@@ -326,7 +342,8 @@ def test_a_list_with_strided_tensors_and_a_byte_list_move_whole() -> None:
             tensors = [np.zeros_like(b).T for b in base]
         g.broadcast_list(tensors, BroadcastOptions(root_rank=0))
         raw = _data(7, 999) if rank == 0 else np.zeros(999, np.float32)
-        g.broadcast_list(ByteList.of([raw.view(np.uint8)]), BroadcastOptions(root_rank=0))
+        g.broadcast_list(ByteList.of([device_bytes(raw)]), BroadcastOptions(root_rank=0))
+        synchronize(g)
         return [np.ascontiguousarray(t) for t in tensors] + [raw]
 
     for got in run_group(3, fn):
@@ -493,6 +510,7 @@ def test_an_async_op_holds_the_callers_buffer_until_it_is_issued() -> None:
             came.wait(JOIN_TIMEOUT_S / 2)  # joins the op late
             y = np.ones(64, dtype=np.float32)
             g.allreduce([y], AllReduceOptions())
+            synchronize(g)
             return y[:2].tolist()
         x = np.full(64, 2.0, dtype=np.float32)
         dropped = weakref.ref(x)
@@ -502,6 +520,7 @@ def test_an_async_op_holds_the_callers_buffer_until_it_is_issued() -> None:
         held_while_pending = dropped() is not None
         came.set()
         work.wait()
+        synchronize(g)  # the device work queued also held it (stream-ordered memory)
         gc.collect()
         return held_while_pending, dropped() is None
 

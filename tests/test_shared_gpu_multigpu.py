@@ -37,7 +37,7 @@ from collective.types import (
     ReduceScatterOptions,
 )
 from collective.work import CompletedWork, Work
-from tests.shared_gpu_standin import HostDevice, HostGpu
+from tests.shared_gpu_standin import HostDevice, HostGpu, device_bytes
 from tests.test_gpu_hierarchy import run_on_gpus, small_slots
 from tests.test_shared_gpu_group import _contiguous_copy, _data, _our_files
 
@@ -68,6 +68,7 @@ def describe(x: Any, name: str) -> CudaBuffer:
         raise TypeError(f"{name} must be an array")
     if not x.flags.c_contiguous:
         raise ArgumentValueError(f"{name} is not contiguous")
+    device_bytes(x)  # the stand-in GPU knows its memory while it lives
     return CudaBuffer(int(x.ctypes.data), x.size, x.dtype.name, getattr(x, "gpu", 0), x.itemsize)
 
 
@@ -89,7 +90,7 @@ def run_ranks(
 
     Every rank's current GPU (where its group is made) is its ordinal 0.
     """
-    found = gpus or [HostGpu(f"gpu-{i}") for i in range(1 + max(map(max, ordinals)))]
+    found = gpus or [HostGpu(f"gpu-{i}", blocking=True) for i in range(1 + max(map(max, ordinals)))]
 
     def devices(rank: int) -> Callable[[int], HostDevice]:
         return lambda ordinal: HostDevice(found[ordinals[rank][ordinal]], rank, ordinal)
@@ -184,7 +185,7 @@ def test_lists_leave_nothing_once_the_group_is_destroyed(monkeypatch: pytest.Mon
     would wait for the other to unmap the slots of a GPU the other reaches last (up to
     the close wait, made longer than the group's timeout here)."""
     monkeypatch.setattr(transport, "CLOSE_WAIT_S", 60.0)
-    gpus = [HostGpu(f"gpu-{i}") for i in range(3)]
+    gpus = [HostGpu(f"gpu-{i}", blocking=True) for i in range(3)]
     before = _our_files()
 
     def fn(g: SharedGpuRunning, rank: int) -> float:

@@ -90,6 +90,9 @@ class CudaIpcDevice(CudaDevice):
             self._uuid = super().uuid()
         return self._uuid
 
+    def _end(self, stream: int) -> None:
+        """Mark nothing as an ``on_stream`` block ends: a read waits on its own events."""
+
     def query(self, event: int) -> bool:
         """Return whether ``event`` has completed: ``cudaEventQuery`` is success, not not-ready.
 
@@ -115,7 +118,7 @@ class TorchGpus:
         self._lock = threading.Lock()
         self._devices: dict[int, CudaIpcDevice] = {}
         self._uuids: list[str] | None = None
-        self._side: dict[int, Any] = {}
+        self._side: dict[int, int] = {}
 
     def holds(self, tensor: Any) -> bool:
         """Return whether ``tensor`` is a CUDA tensor."""
@@ -145,15 +148,22 @@ class TorchGpus:
         return int(torch.cuda.current_stream(cast(CudaIpcDevice, device).device_id).cuda_stream)
 
     def side_stream(self, device: IpcDevice) -> int:
-        """Return a torch stream of this process's own on ``device``'s GPU, made once."""
-        import torch
+        """Return a stream of this process's own on ``device``'s GPU, made once, never freed.
 
+        A raw non-blocking stream (``cudaStreamCreateWithFlags``): a stream from torch's
+        pool is handed round-robin to every other user of the pool, whose work a read
+        stuck on a dead producer's event would then hold up.
+        """
         index = cast(CudaIpcDevice, device).device_id
         with self._lock:
             made = self._side.get(index)
             if made is None:
-                made = self._side[index] = torch.cuda.Stream(device=index)
-        return int(made.cuda_stream)
+                cupy = self._module()
+                runtime = cupy.cuda.runtime
+                with cupy.cuda.Device(index):
+                    flags = runtime.streamNonBlocking
+                    made = self._side[index] = int(runtime.streamCreateWithFlags(flags))
+        return made
 
     def empty(self, nbytes: int, device: IpcDevice) -> Any:
         """Return ``torch.empty(nbytes, dtype=uint8)`` on ``device``'s GPU."""

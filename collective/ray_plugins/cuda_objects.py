@@ -19,7 +19,9 @@
   copies complete parks its mapping; a later call closes it once they have.
 - **Lifetime** (``free``, when Ray garbage-collects the object in the producer): the
   buffer is freed and the event destroyed, never while a read in this process still
-  uses them: the last such read frees them.
+  uses them (the last such read frees them), nor while another live process still maps
+  them (``cuda_leases``: a consumer's parked read holds its lease until its mapping
+  closes; the producer's next call frees them then).
 
 A reader in the producer's process cannot open its own handles (CUDA refuses): it reads
 the buffer directly.
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from collective.ray_plugins import segment
+from collective.ray_plugins import cuda_leases, segment
 from collective.ray_plugins.cuda_buffer import (
     CudaIpcMetadata,
     check_targets,
@@ -70,6 +72,7 @@ class _Held:
 class _Mapping:
     """A peer's buffer and event opened in this process, and how many reads use them."""
 
+    meta: CudaIpcMetadata
     device: IpcDevice
     ptr: int
     event: int
@@ -89,6 +92,8 @@ class CudaObjects:
         self._reads = Reads()
         self._parked: list[tuple[IpcDevice, int, Any]] = []
         """(device, done event, release): reads whose copies had not completed."""
+        self._leased: list[_Held] = []
+        """Objects freed here that another live process still maps: freed once none does."""
 
     def publish(self, obj_id: str, tensors: Sequence[Any]) -> CudaIpcMetadata:
         """Pack CUDA ``tensors`` into a new device buffer, record its event; return the metadata.
@@ -246,16 +251,19 @@ class CudaObjects:
         """
         if not segment.alive(meta.pid, meta.started):
             raise CollectiveError(gone(meta))
+        cuda_leases.take(meta.pid, meta.memory)  # before the open: the producer then waits
         try:
             ptr = device.open_memory(meta.memory)
         except Exception as exc:
+            cuda_leases.give(meta.pid, meta.started, meta.memory, gone=True)
             raise CollectiveError(f"{gone(meta)} (opening its memory: {exc})") from None
         try:
             event = device.open_event(meta.event)
         except Exception as exc:
             device.close_memory(ptr)
+            cuda_leases.give(meta.pid, meta.started, meta.memory, gone=True)
             raise CollectiveError(f"{gone(meta)} (opening its event: {exc})") from None
-        return _Mapping(device, ptr, event)
+        return _Mapping(meta, device, ptr, event)
 
     def _wait(
         self, meta: CudaIpcMetadata, device: IpcDevice, done: int, read: Read, timeout_s: float
@@ -302,7 +310,7 @@ class CudaObjects:
         release()
 
     def _sweep(self) -> None:
-        """Release the parked reads whose copies have completed."""
+        """Release the parked reads whose copies have completed, then free what none maps."""
         with self._lock:
             parked, self._parked = self._parked, []
         pending = []
@@ -314,6 +322,9 @@ class CudaObjects:
                 pending.append((device, done, release))
         with self._lock:
             self._parked += pending
+            leased, self._leased = self._leased, []
+        for held in leased:
+            self._free_unmapped(held)
 
     def _unmap(self, memory: bytes) -> None:
         """End one read's use of a peer's buffer; close it and its event after the last."""
@@ -326,6 +337,8 @@ class CudaObjects:
                 del self._mapped[memory]
             mapping.device.close_memory(mapping.ptr)
             mapping.device.destroy_event(mapping.event)
+            meta = mapping.meta
+            cuda_leases.give(meta.pid, meta.started, meta.memory)
 
     def _unread(self, obj_id: str) -> None:
         """End one read of this process's own object; free it if it was freed meanwhile."""
@@ -335,7 +348,7 @@ class CudaObjects:
             if not (held.freed and held.readers == 0):
                 return
             del self._held[obj_id]
-        _release(held)
+        self._free_unmapped(held)
 
     def free(self, obj_id: str) -> None:
         """Free the object's buffer and event, at once or after this process's last read."""
@@ -348,7 +361,17 @@ class CudaObjects:
             if held.readers:
                 return
             del self._held[obj_id]
+        self._free_unmapped(held)
+
+    def _free_unmapped(self, held: _Held) -> None:
+        """Free a producer's object now if no other live process maps it, else later."""
+        meta = held.meta
+        if cuda_leases.holders(meta.pid, meta.memory):
+            with self._lock:
+                self._leased.append(held)
+            return
         _release(held)
+        cuda_leases.clear(meta.pid, meta.memory)
 
     def abort(self, obj_id: str) -> None:
         """End this process's reads of ``obj_id`` in flight; each raises ``CollectiveError``."""

@@ -89,12 +89,12 @@ if runs tests; then
     review_rc=0
     if [ -z "${GPU_TESTS:-}" ]; then
         timeout -k 10 "${GPU_REVIEW_TIMEOUT_S:-600}" "$PYTHON" -m pytest -p no:cacheprovider \
-            --confcutdir=tests/gpu -ra --timeout=120 tests/gpu/test_review*.py 2>&1 | tee "$OUT/pytest.log"
+            --confcutdir=tests/gpu -v -ra --timeout=120 tests/gpu/test_review*.py 2>&1 | tee "$OUT/pytest.log"
         review_rc=${PIPESTATUS[0]}
     fi
     # shellcheck disable=SC2086  # GPU_TESTS holds paths and pytest arguments
     timeout -k 10 "${GPU_TESTS_TIMEOUT_S:-900}" "$PYTHON" -m pytest -p no:cacheprovider \
-        --confcutdir=tests/gpu -ra --timeout=120 ${GPU_TESTS:-tests/gpu --ignore-glob=*/test_review*.py} 2>&1 | tee -a "$OUT/pytest.log"
+        --confcutdir=tests/gpu -v -ra --timeout=120 ${GPU_TESTS:-tests/gpu --ignore-glob=*/test_review*.py} 2>&1 | tee -a "$OUT/pytest.log"
     tests_rc=${PIPESTATUS[0]}
     [ "$tests_rc" -eq 0 ] && tests_rc=$review_rc
 else
@@ -182,6 +182,9 @@ fi
         head -n "$pytest_lines" "$OUT/pytest.log" | tail -n 40
     fi
     echo '```'
+    echo
+    echo "To record where each GPU feature ran: python -m benchmarks.gpu_results --tests"
+    echo "pytest.log --env env.txt (docs/gpu-status.md; commit it and docs/performance/gpu-runs.json)."
     echo
     echo "## GPU examples (exit $examples_rc)"
     echo

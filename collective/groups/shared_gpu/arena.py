@@ -15,6 +15,7 @@ transport runs a host barrier between the two.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,6 +176,23 @@ class DeviceSlots:
         self.views = [[device.view(a, self.slot_bytes) for a in mine] for mine in self.addresses]
         boxes = self.nbuf * self.stride
         self.mail = [[self._boxes(base + boxes, q) for q in range(n)] for base in bases]
+
+    def regions(self, rank: int, ranks: Sequence[int]) -> list[tuple[str, int, int]]:
+        """Return local rank ``rank``'s slots and mailboxes towards the others, as mapped here.
+
+        Each is ``(name, address, bytes)``; a mailbox's name says its receiver's group
+        rank (``ranks`` holds the local ranks' group ranks).
+        """
+        found = [(f"slot {b}", a, self.slot_bytes) for b, a in enumerate(self.addresses[rank])]
+        boxes = self.addresses[rank][0] + self.nbuf * self.stride
+        for q in range(self.local_size):
+            first = boxes + q * self.mail_nbuf * self.mail_stride
+            if q != rank:
+                found += [
+                    (f"mailbox {b} towards rank {ranks[q]}", first + b * self.mail_stride, size)
+                    for b, size in enumerate([self.mail_bytes] * self.mail_nbuf)
+                ]
+        return found
 
     def _boxes(self, start: int, receiver: int) -> list[Any]:
         """Return the views of the boxes towards ``receiver``, of boxes that start at ``start``."""

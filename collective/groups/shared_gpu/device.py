@@ -19,7 +19,9 @@ that the step protocol runs in real processes on a machine without a GPU.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 MEMORY_HANDLE_BYTES = 64
@@ -97,10 +99,11 @@ class Device(Protocol):
         ...
 
     def settle(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the work queued on the streams ops ran on; say if done.
+        """Wait up to ``timeout_s`` for the work every ``on_stream`` block queued; say if done.
 
         Unlike ``synchronize`` it never waits forever: a stream that waits on the
-        event of a peer that died may never go idle.
+        event of a peer that died may never go idle. It never touches the streams
+        themselves, which their user may have destroyed since.
         """
         ...
 
@@ -120,11 +123,12 @@ class _Handle:
 
 
 class _Current:
-    """Enters a cupy device, then a cupy stream; leaves them in reverse."""
+    """Enters a cupy device, then a cupy stream; leaves them in reverse, marking the end."""
 
-    def __init__(self, device: Any, stream: Any) -> None:
+    def __init__(self, device: Any, stream: Any, ended: Callable[[], None]) -> None:
         self._device = device
         self._stream = stream
+        self._ended = ended
 
     def __enter__(self) -> None:
         self._device.__enter__()
@@ -137,6 +141,11 @@ class _Current:
     def __exit__(self, *exc: object) -> None:
         try:
             self._stream.__exit__(*exc)
+            try:
+                self._ended()
+            except Exception:
+                if exc[0] is None:  # else the block's own error goes on
+                    raise
         finally:
             self._device.__exit__(*exc)
 
@@ -151,12 +160,18 @@ class CudaDevice:
         self.device_id = int(self._runtime.getDevice())
         self._event_flags = int(self._runtime.eventDisableTiming | self._runtime.eventInterprocess)
         self._streams: dict[int, Any] = {}
+        self._ends: dict[int, int] = {}
+        """Per stream: an event recorded as each ``on_stream`` block on it ends."""
+        self._lock = threading.Lock()
 
     def uuid(self) -> str:
         """Return the GPU's UUID and PCI address (the same in every process, whatever its index).
 
         cupy hands the UUID over as a C string, which a zero byte cuts short: the PCI
-        address beside it keeps two GPUs apart all the same.
+        address beside it keeps two GPUs apart all the same. Two MIG instances of one
+        GPU share a PCI address; should their cut UUIDs agree too, ranks on them would
+        take each other for one GPU, and the group's check of its mappings (``verify``)
+        fails it as it is made, before any op.
         """
         props = self._runtime.getDeviceProperties(self.device_id)
         pci = f"{props['pciDomainID']:04x}:{props['pciBusID']:02x}:{props['pciDeviceID']:02x}"
@@ -242,7 +257,17 @@ class CudaDevice:
             else:  # cupy before 14
                 wrapped = cuda.ExternalStream(stream, self.device_id)
             self._streams[stream] = wrapped
-        return _Current(self._cupy.cuda.Device(self.device_id), wrapped)
+        return _Current(self._cupy.cuda.Device(self.device_id), wrapped, lambda: self._end(stream))
+
+    def _end(self, stream: int) -> None:
+        """Record ``stream``'s end event after what was queued on it (made once per stream)."""
+        runtime = self._runtime
+        with self._lock:
+            event = self._ends.get(stream)
+            if event is None:
+                flags = runtime.eventDisableTiming
+                event = self._ends[stream] = int(runtime.eventCreateWithFlags(flags))
+        runtime.eventRecord(event, stream)
 
     def synchronize(self) -> None:
         """Call ``cudaDeviceSynchronize`` on this GPU."""
@@ -250,27 +275,30 @@ class CudaDevice:
             self._runtime.deviceSynchronize()
 
     def settle(self, timeout_s: float) -> bool:
-        """Record an event on every stream ops ran on; poll them until done or ``timeout_s``."""
+        """Poll the end event of every stream ops ran on until done or ``timeout_s``.
+
+        The events were recorded as each op's block ended (``on_stream``), so a stream
+        its user destroyed since is never recorded on (CUDA refuses a destroyed
+        handle; its queued work still runs, and its event still completes). Once all
+        completed, the events are destroyed.
+        """
         runtime = self._runtime
         deadline = time.monotonic() + timeout_s
-        events: list[int] = []
         with self._on_gpu():
-            try:
-                for stream in list(self._streams):
-                    events.append(int(runtime.eventCreateWithFlags(runtime.eventDisableTiming)))
-                    runtime.eventRecord(events[-1], stream)
-                pending = list(events)
-                while pending:
-                    if runtime.eventQuery(pending[-1]) == _NOT_READY:
-                        if time.monotonic() > deadline:
-                            return False
-                        time.sleep(0.001)
-                    else:
-                        pending.pop()
-                return True
-            finally:
-                for event in events:
-                    runtime.eventDestroy(event)
+            with self._lock:
+                pending = list(self._ends.values())
+            while pending:
+                if runtime.eventQuery(pending[-1]) != _NOT_READY:
+                    pending.pop()
+                elif time.monotonic() > deadline:
+                    return False
+                else:
+                    time.sleep(0.001)
+            with self._lock:
+                events, self._ends = list(self._ends.values()), {}
+            for event in events:
+                runtime.eventDestroy(event)
+        return True
 
     def _on_gpu(self) -> Any:
         """Return cupy's context that makes this GPU current (teardown may run on any thread)."""

@@ -11,7 +11,9 @@ without any kernel waiting for another process:
   then make the stream wait on the writer's ``posted`` event;
 - ``done``: record this rank's ``consumed`` event of the slot, then publish it;
 - ``free``: wait on the host until every other rank has consumed the slot's last
-  step, then make the stream wait on their ``consumed`` events.
+  step, then make the stream wait on their ``consumed`` events;
+- ``use`` and ``end``: an op on another stream than the previous one first waits for
+  that op's end, so a ``consumed`` record covers every read this rank queued before it.
 
 An event is recorded before the host counter that announces it and waited on only
 after that counter is seen, so each wait captures the record it needs
@@ -59,7 +61,32 @@ class DeviceSteps(Steps):
         self._posted = slots.posted
         self._consumed = slots.consumed
         self.stream = 0
-        """The stream the op in progress runs on; set by the transport before each op."""
+        """The stream the op in progress runs on; set by ``use`` before each op."""
+        self._ended = self._device.new_event()
+        """Recorded on an op's stream as it ends (``end``); the next op, on another stream,
+        waits on it first (``use``)."""
+        self._any = False
+
+    def use(self, stream: int) -> None:
+        """Run the next op's steps on ``stream``, ordered after every earlier op's work.
+
+        A rank's ``consumed`` event says it has read a slot only for the stream it was
+        recorded on: an op on another stream records it there, and a writer waiting on
+        that record would overwrite the slot while a read queued on the earlier stream
+        is still pending. So a new stream first waits for the previous op's end.
+        """
+        if stream != self.stream and self._any:
+            self._device.wait(stream, self._ended)
+        self.stream = stream
+
+    def end(self, *, quiet: bool = False) -> None:
+        """Mark the end of the op just issued on its stream; ``quiet`` (it failed): never raise."""
+        try:
+            self._device.record(self._ended, self.stream)
+            self._any = True
+        except Exception:
+            if not quiet:
+                raise
 
     def free(self, step: int, deadline: float) -> None:
         """Wait until every other rank has read this rank's slot of ``step``'s last use."""
@@ -97,6 +124,12 @@ class DeviceSteps(Steps):
             target[...] = sys.modules["cupy"].asarray(values)
 
     def release(self) -> None:
-        """Drop every view of the host arena and of the device slots; no step may follow."""
+        """Drop every view of the host arena and of the device slots; no step may follow.
+
+        The end-of-op event is destroyed: CUDA keeps it until a pending wait used it.
+        """
         super().release()
         self._posted, self._consumed = [], []
+        ended, self._ended = self._ended, 0
+        if ended:
+            self._device.destroy_event(ended)

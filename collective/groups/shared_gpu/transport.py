@@ -3,7 +3,8 @@
 ``SharedGpu`` connects once, through the group's store: the set's first rank makes
 the host arena (counters and step headers, in ``/dev/shm``) and every rank maps it;
 every rank allocates its device slots and events and publishes their IPC handles;
-every rank opens the others'. The host arena's file is unlinked as soon as every
+every rank opens the others', and checks that it reads what each peer wrote there
+(``verify``). The host arena's file is unlinked as soon as every
 rank has mapped it, so a killed process leaves no file. Every op then runs the
 shared-memory collectives over the device slots (``DeviceSteps``), on the stream the
 caller passes, with host waits bounded by the op's deadline; a peer that dies is seen
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 from collective.frameworks.bytelist import ByteList
 from collective.groups import topology
+from collective.groups.shared_gpu import verify
 from collective.groups.shared_gpu.arena import DeviceSlots, Exported
 from collective.groups.shared_gpu.device import Device
 from collective.groups.shared_gpu.mail import DeviceSendRecv
@@ -115,6 +117,8 @@ class SharedGpu:
 
         Raises:
             TimeoutError: a rank did not arrive within ``timeout``.
+            MappingError: a rank read other bytes through its mapping of a peer's
+                memory than the peer wrote; every rank raises it.
             ValueError: a bad ``slot_bytes``.
             OSError: the host arena could not be made or mapped.
             Exception: the device refused; nothing made here is left behind.
@@ -138,6 +142,9 @@ class SharedGpu:
         self.waiter: Waiter | None = None
         try:
             self._connect(slot_bytes_for(self.size, slot_bytes), interrupted)
+        except verify.MappingError:
+            self.close()  # every rank fails here: each waits for the others to unmap its slots
+            raise
         except BaseException:
             self._release(wait_s=0.0)
             raise
@@ -166,7 +173,7 @@ class SharedGpu:
         )
         handles = self._exchange("handles", self.slots.exported().to_json())
         self.slots.open([Exported.from_json(h) for h in handles])
-        self._exchange("opened", True)
+        verify.check(self.slots, self._exchange, self.ranks)  # a barrier: all have opened
         self.waiter = Waiter(self.arena, self.local_rank, self.liveness, interrupted)
         self.steps = DeviceSteps(self.arena, self.local_rank, self.waiter, self.slots, self.ranks)
         # A GPU reduces a whole half-chunk in one kernel: blocks sized for a core's
@@ -194,16 +201,24 @@ class SharedGpu:
         """Run ``op(*args)`` with its array operations on ``stream``.
 
         With ``collective``, ``op`` takes collective steps (a method of ``collectives``,
-        or ``broadcast_list``), which then order ``stream`` too; the caller runs one
-        such op at a time. Else ``op`` is a send or a receive, given its stream itself.
+        or ``broadcast_list``), which then order ``stream`` too, after the previous such
+        op's work whatever its stream (``DeviceSteps.use``); the caller runs one such op
+        at a time. Else ``op`` is a send or a receive, given its stream itself.
         """
         steps = self.steps
         if steps is None:
             raise RuntimeError("the shared-GPU transport is closed")
         with self.device.on_stream(stream):
-            if collective:
-                steps.stream = stream
-            return op(*args)
+            if not collective:
+                return op(*args)
+            steps.use(stream)
+            try:
+                result = op(*args)
+            except BaseException:
+                steps.end(quiet=True)
+                raise
+            steps.end()
+            return result
 
     def broadcast_list(self, message: ByteList, root: int, deadline: float) -> None:
         """Copy local rank ``root``'s ``message`` (device memory) into every other rank's.
