@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -211,6 +212,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> str | None:
+    """Return the commit of the checkout ``collective`` is imported from, or None."""
+    import collective
+
+    folder = Path(collective.__file__).parent
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
 def _say(what: str) -> None:
     sys.stderr.write(f"\r{what:<60}")
     sys.stderr.flush()
@@ -236,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(f"{g.verdict.upper():>12}  {g.claim}: {g.measured}" for g in found))
     meta = {
         "command": "python -m benchmarks.crowded " + " ".join(argv),
+        "commit": _commit(),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

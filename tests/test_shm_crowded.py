@@ -125,3 +125,32 @@ def test_one_rank_in_another_op_makes_every_rank_raise_and_writes_nothing(
     for rank, (error, unchanged) in enumerate(run_cpu(16, fn)):
         assert error, f"rank {rank} returned from the op"
         assert unchanged, f"rank {rank} raised, but its buffer was written: {error}"
+
+
+def test_two_crowded_nodes_agree_through_the_gathered_meet() -> None:
+    """Two nodes of three ranks: each node's check of the whole op is a gathered meet."""
+    nodes = ["a", "b", "a", "b", "a", "b"]
+
+    def fn(group: CpuGroup, rank: int) -> dict[str, Any]:
+        got: dict[str, Any] = {"gathers": group._steps.gather_bytes if group._steps else 0}
+        x = _input(rank, 4, "float64")
+        group.allreduce([x], AllReduceOptions())
+        got["allreduce"] = x
+        group.barrier(BarrierOptions())
+        y = np.full(2, rank + 1, np.int64)
+        group.reduce([y], ReduceOptions(ReduceOp.MAX, root_rank=3))
+        got["reduce"] = y
+        z = np.full(3, rank, np.int32) if rank != 4 else np.zeros(3, np.int64)
+        try:
+            group.allreduce([z], AllReduceOptions())
+        except CollectiveError as exc:
+            got["odd"] = str(exc)
+        return got
+
+    results = run_cpu(6, fn, nodes=nodes)
+    total = np.sum([_input(r, 4, "float64") for r in range(6)], axis=0)
+    for rank, got in enumerate(results):
+        assert got["gathers"] == gathered.GATHER_BYTES, rank
+        np.testing.assert_allclose(got["allreduce"], total, rtol=1e-12)
+        assert got["reduce"].tolist() == ([6, 6] if rank == 3 else [rank + 1] * 2), rank
+        assert "odd" in got, f"rank {rank} returned from an op whose dtypes differ"
