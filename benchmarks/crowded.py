@@ -17,9 +17,9 @@ package in the folder PATH (a checkout of main, say), run the same way in the sa
 rounds, so that a change is measured side by side with the code before it. It may be
 given more than once; the goals compare with the first.
 
-At the end it checks issue 49's goals (``GOALS``) on the 8-byte rows and says pass, fail,
-or not measured; ``--json`` writes the rows, the goals, the command, the machine and its
-load average before and after.
+At the end it checks issue 49's goals (``goals``) on the 8-byte rows and says pass, fail,
+or not measured; ``--json`` adds the run (its rows, goals, command, commit, machine and
+load average before and after) to the runs the file holds, a list kept in order.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json:
         data = {"meta": meta, "rows": rows, "goals": [g.__dict__ for g in found]}
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        runs = json.loads(args.json.read_text()) if args.json.exists() else []
+        args.json.write_text(json.dumps([*runs, data], indent=1) + "\n")
     print(f"\n# {len(rows)} rows in {meta['seconds']} s")
     return 0 if all(r["wrong"] == 0 for r in rows) else 1
 

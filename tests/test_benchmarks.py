@@ -582,7 +582,7 @@ def test_host_path_benchmark_writes_a_row_per_path(smoke: SmokeRun) -> None:
 def test_crowded_benchmark_runs_ours_ray_and_the_baseline_in_rounds(smoke: SmokeRun) -> None:
     done = smoke.done()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    data = json.loads((smoke.folder / "crowded.json").read_text())
+    (data,) = json.loads((smoke.folder / "crowded.json").read_text())
     assert data["meta"]["baselines"] == {"main": str(ROOT)}
     assert len(data["meta"]["load_average_before"]) == 3
     rows = data["rows"]
