@@ -8,6 +8,7 @@ and the count of wrong output elements, and ``stop()``.
 from __future__ import annotations
 
 import importlib
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,9 +27,15 @@ RAY_COLLECTIVE_OPS = ("allreduce", "broadcast", "reduce", "allgather", "reducesc
 
 
 class _CollectiveRank:
-    """One rank of ``collective`` or of ``ray.util.collective``, in its own Ray actor."""
+    """One rank of ``collective`` or of ``ray.util.collective``, in its own Ray actor.
 
-    def __init__(self, library: str) -> None:
+    ``source``: a folder holding another ``collective`` package (a checkout of main, say),
+    imported instead of the installed one.
+    """
+
+    def __init__(self, library: str, source: str | None = None) -> None:
+        if source is not None:
+            sys.path.insert(0, source)
         name = "collective" if library == "collective" else "ray.util.collective"
         self._lib, self._ours = importlib.import_module(name), library == "collective"
 
@@ -104,19 +111,22 @@ class RayActors:
     """``collective`` (ours) or ``ray.util.collective`` over gloo, ranks in Ray actors.
 
     ``transport`` is ours' ``cpu_transport``: ``"auto"`` (shared memory inside a
-    node) or ``"gloo"`` (Gloo over TCP everywhere).
+    node) or ``"gloo"`` (Gloo over TCP everywhere); ``source`` a folder whose
+    ``collective`` package the ranks import instead of the installed one.
     """
 
     max_batch = workloads.MAX_BATCH
 
-    def __init__(self, library: str, transport: str | None = None) -> None:
-        self.library, self.transport = library, transport
+    def __init__(
+        self, library: str, transport: str | None = None, source: str | None = None
+    ) -> None:
+        self.library, self.transport, self.source = library, transport, source
         self.ops = workloads.OPS if library == "collective" else RAY_COLLECTIVE_OPS
         self.ranks: list[Any] = []
 
     def start(self, world_size: int) -> None:
         group = f"bench-{self.library}-{uuid.uuid4().hex[:6]}"
-        self.ranks = [CollectiveRank.remote(self.library) for _ in range(world_size)]
+        self.ranks = [CollectiveRank.remote(self.library, self.source) for _ in range(world_size)]
         refs = [
             a.setup.remote(world_size, r, group, self.transport) for r, a in enumerate(self.ranks)
         ]

@@ -75,12 +75,20 @@ def _host_path(out: Path, address: str) -> list[str]:
     return [*command, "--cpu-iters", "20", "--json", str(out / "host_path.json")]
 
 
+def _crowded(out: Path, address: str) -> list[str]:
+    # This checkout stands in as the baseline, so that its rows run the --baseline path.
+    command = [sys.executable, "-m", "benchmarks.crowded", "--world-sizes", "3", "--sizes", "8"]
+    command += ["--rounds", "2", "--ops", "3", "--warmup", "1", "--baseline", f"main={ROOT}"]
+    return [*command, "--json", str(out / "crowded.json"), "--address", address]
+
+
 SMOKE_RUNS: dict[str, tuple[Callable[[Path, str], list[str]], float]] = {
     "test_quick_benchmark_writes_table_goals_json_and_plot": (_quick, 400),
     "test_bulk_benchmark_runs_every_row_on_tiny_workloads": (_bulk, 400),
     "test_elastic_benchmark_runs_every_row_in_quick_mode": (_elastic, 300),
     "test_rdt_benchmark_runs_every_row_on_tiny_workloads": (_rdt, 400),
     "test_host_path_benchmark_writes_a_row_per_path": (_host_path, 300),
+    "test_crowded_benchmark_runs_ours_ray_and_the_baseline_in_rounds": (_crowded, 300),
 }
 """By the test that checks it: each smoke run's command, given the folder it writes into
 and the Ray cluster's address, and its timeout in seconds."""
@@ -606,3 +614,64 @@ def test_host_path_benchmark_writes_a_row_per_path(smoke: SmokeRun) -> None:
         assert set(row) == {"path", "us_per_call", "bare_us_per_call", "python_calls"}
         assert row["us_per_call"] > 0 and row["python_calls"] > 0
         assert (row["bare_us_per_call"] is None) == (not row["path"].startswith("nccl/"))
+
+
+def test_crowded_benchmark_runs_ours_ray_and_the_baseline_in_rounds(smoke: SmokeRun) -> None:
+    done = smoke.done()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    (data,) = json.loads((smoke.folder / "crowded.json").read_text())
+    assert data["meta"]["baselines"] == {"main": str(ROOT)}
+    assert len(data["meta"]["load_average_before"]) == 3
+    rows = data["rows"]
+    assert {r["impl"] for r in rows} == {"collective", "ray_collective", "main"}
+    for r in rows:
+        assert (r["world_size"], r["size"], r["wrong"]) == (3, 8, 0), r
+        assert len(r["rounds_us"]) == 2
+        assert 0 < r["min_us"] <= r["median_us"] <= r["max_us"]
+    assert [g["verdict"] for g in data["goals"]] == ["not measured"] * 3
+    assert "# goals (issue 49)" in done.stdout
+
+
+def _crowded_row(impl: str, world_size: int, median: float) -> dict[str, Any]:
+    return {"impl": impl, "world_size": world_size, "size": 8, "median_us": median}
+
+
+@pytest.mark.parametrize(
+    ("ours16", "verdicts"),
+    [(500.0, ["pass", "pass", "pass"]), (1500.0, ["fail", "fail", "pass"])],
+)
+def test_crowded_goals_compare_ray_the_8_rank_time_and_the_baseline(
+    ours16: float, verdicts: list[str]
+) -> None:
+    from benchmarks import crowded
+
+    rows = [
+        _crowded_row("collective", 2, 10.0),
+        _crowded_row("main", 2, 9.5),
+        _crowded_row("collective", 8, 300.0),
+        _crowded_row("collective", 16, ours16),
+        _crowded_row("ray_collective", 16, 5000.0),
+    ]
+    assert [g.verdict for g in crowded.goals(rows, "main")] == verdicts
+    assert crowded.goals(rows, None)[2].verdict == "not measured"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--world-sizes", "1,2"], "at least 2"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--sizes", "8,4X"], "sizes must be like"),
+        (["--baseline", "main=/nonexistent"], "holding a collective package"),
+        (["--baseline", "collective=."], "NAME not"),
+        (["--baseline", f"a={ROOT}", "--baseline", f"a={ROOT}"], "NAME not"),
+    ],
+)
+def test_crowded_benchmark_rejects_bad_arguments(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import crowded
+
+    with pytest.raises(SystemExit):
+        crowded.arguments(flags)
+    assert message in capsys.readouterr().err

@@ -86,7 +86,9 @@ def run_cpu(
 
 
 def _our_segments() -> list[str]:
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith("collective-"))
+    """Return the arenas this process made (their names hold its pid): not other runs' arenas."""
+    mine = f"collective-{os.getpid()}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
 
 
 # --- layout ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from datetime import timedelta
 from collective.groups import topology
 from collective.groups.gloo.group import GlooGroup
 from collective.groups.shm import arena as shm_arena
+from collective.groups.shm import gathered
 from collective.groups.shm.arena import PID, Arena, Layout
 from collective.groups.shm.sync import Liveness
 from collective.groups.shm.sync import unsupported_reason as shm_unsupported
@@ -81,6 +82,8 @@ class Transports:
     """Gloo among all ranks, across nodes, for ops without a hierarchical form."""
     arena: Arena | None = None
     liveness: Liveness | None = None
+    gather_bytes: int = 0
+    """The arena's ``Steps.gather_bytes``, as the node's leader decided it for every local rank."""
 
     @property
     def mode(self) -> str:
@@ -173,17 +176,20 @@ def _map_arena(
                 failure = f"the arena could not be created on rank {member.rank}: {exc}"
                 store.set(key, json.dumps({"failure": failure}).encode())
                 return failure
+            gather = gathered.gather_bytes(len(local), layout.slot_bytes)
             published = {"path": found.arena.path, "slot_bytes": layout.slot_bytes}
-            store.set(key, json.dumps(published).encode())
+            store.set(key, json.dumps({**published, "gather_bytes": gather}).encode())
         else:
             published = json.loads(store.get(key, member.timeout))
             if "failure" in published:
                 return str(published["failure"])
             layout = Layout.for_ranks(len(local), published["slot_bytes"])
             found.arena = shm_arena.attach(published["path"], layout)
+            gather = int(published["gather_bytes"])
     except (OSError, ValueError) as exc:
         return f"the arena could not be mapped on rank {member.rank}: {exc}"
     found.arena.control[topo.local_rank, PID] = os.getpid()
+    found.gather_bytes = gather
     found.liveness = Liveness(topo.local_pids)
     gone = [r for r in range(len(local)) if not found.liveness.alive(r)]
     if gone:

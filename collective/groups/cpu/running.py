@@ -128,7 +128,8 @@ class CpuRunning(BaseGroup):
         local: Collectives | LocalCopies = LocalCopies()
         if found.arena is not None and found.liveness is not None:
             self._waiter = Waiter(found.arena, topo.local_rank, found.liveness, self._interrupted)
-            self._steps = Steps(found.arena, topo.local_rank, self._waiter, topo.local_ranks)
+            most = found.gather_bytes
+            self._steps = Steps(found.arena, topo.local_rank, self._waiter, topo.local_ranks, most)
             self._sendrecv = SendRecv(found.arena, topo.local_rank, self._waiter)
             local = Collectives(self._steps)
         if found.mode == "shm":

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from collective import signature
+from collective.groups.shm import gathered
+from collective.groups.shm.failures import unpaired
 from collective.groups.shm.kernels import Reducer
 from collective.groups.shm.lists import broadcast_list
 from collective.groups.shm.steps import Steps
-from collective.types import ArgumentValueError
 
 SPLIT_ALLREDUCE_BYTES = 256 << 10
 """Allreduces of at least this many bytes split the reduction among the local ranks
@@ -79,8 +80,14 @@ class Collectives:
         self._meet(deadline)
 
     def _meet(self, deadline: float) -> None:
-        """Take one step without data: post this rank's header and collect every other."""
+        """Take one step without data: post this rank's header and collect every other.
+
+        Among three or more ranks that gather (``Steps.gather_bytes``), see ``gathered.meet``.
+        """
         steps = self.steps
+        if gathered.gathers(steps, 0):
+            gathered.meet(steps, deadline)
+            return
         step = steps.next()
         steps.free(step, deadline)
         steps.post(step)
@@ -152,14 +159,17 @@ class Collectives:
         """Reduce every rank's ``data`` into every rank's ``data``, in place.
 
         Short messages reduce every slot on every rank (one step per slot of
-        message). Longer ones split the reduction: between two ranks, see
-        ``_allreduce_pair``; among three or more, each slot of message is cut into
-        one piece per rank: rank i reduces piece i and posts it, and every rank
-        copies the others' pieces (two steps per slot, and 1/ranks of the
-        reduction work per rank).
+        message), or are gathered at one rank (see ``gathered``). Longer ones split
+        the reduction: between two ranks, see ``_allreduce_pair``; among three or more,
+        each slot of message is cut into one piece per rank: rank i reduces piece i
+        and posts it, and every rank copies the others' pieces (two steps per slot,
+        and 1/ranks of the reduction work per rank).
         """
         steps = self.steps
         steps.begin("allreduce", dtype, reducer.op.value, -1, data.size)
+        if gathered.gathers(steps, data.size):
+            gathered.allreduce(steps, data, reducer, deadline)
+            return
         if self.size == 2 and data.size >= SPLIT_ALLREDUCE_BYTES:
             self._allreduce_pair(data, reducer, deadline)
             return
@@ -385,15 +395,3 @@ class Collectives:
                     block = steps.peer_slot(peer, step)[offset : offset + length]
                     outputs[peer][start : start + length] = block
             steps.done(step)
-
-
-def unpaired(
-    sends: np.ndarray, receives: np.ndarray, size: int, ranks: Sequence[int]
-) -> ArgumentValueError:
-    """Return the error of an alltoall whose byte counts do not pair up, counted in elements.
-
-    ``sends[i, j]`` is what local rank i sends to j, ``receives[j, i]`` what j expects
-    from i, in bytes of elements of ``size``; ``ranks`` maps local ranks to the group's.
-    """
-    lines = signature.unpaired((sends // size).tolist(), (receives // size).tolist(), ranks)
-    return ArgumentValueError("alltoall sizes do not pair up: " + "; ".join(lines))

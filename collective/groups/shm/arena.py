@@ -74,7 +74,8 @@ MAIL_FLAGS = 128
 """Byte offset of the pair's sleep flags: ``align(L)`` bytes per counter, posted first."""
 
 # Words of a slot header.
-HDR_OP, HDR_SIG, HDR_BYTES = 0, 1, 2
+HDR_OP, HDR_SIG, HDR_BYTES, HDR_BLAME = 0, 1, 2, 3
+"""``HDR_BLAME``: 1 + the local rank found in another op by a ``Steps.gather``, then its header."""
 HDR_STRIDE = 64
 
 # Words of the header page.

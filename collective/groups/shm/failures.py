@@ -8,13 +8,21 @@ group's words, and says whether the failure breaks the group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
+import numpy as np
+
+from collective import signature
 from collective.groups.shm.sendrecv import MessageMismatchError
 from collective.groups.shm.steps import MismatchError
 from collective.groups.shm.sync import AbortedError, PeerDiedError, StalledError
-from collective.types import ArgumentError, CollectiveError, CollectiveTimeoutError
+from collective.types import (
+    ArgumentError,
+    ArgumentValueError,
+    CollectiveError,
+    CollectiveTimeoutError,
+)
 
 
 def caller_error(
@@ -64,3 +72,15 @@ def caller_error(
         )
         return CollectiveError(message), True
     return CollectiveError(f"{where} failed on rank {rank}: {exc!r}"), True
+
+
+def unpaired(
+    sends: np.ndarray, receives: np.ndarray, size: int, ranks: Sequence[int]
+) -> ArgumentValueError:
+    """Return the error of an alltoall whose byte counts do not pair up, counted in elements.
+
+    ``sends[i, j]`` is what local rank i sends to j, ``receives[j, i]`` what j expects
+    from i, in bytes of elements of ``size``; ``ranks`` maps local ranks to the group's.
+    """
+    lines = signature.unpaired((sends // size).tolist(), (receives // size).tolist(), ranks)
+    return ArgumentValueError("alltoall sizes do not pair up: " + "; ".join(lines))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from collective import signature
-from collective.groups.shm.algorithms import unpaired
+from collective.groups.shm.failures import unpaired
 from collective.groups.shm.kernels import Reducer
 
 

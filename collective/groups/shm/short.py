@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from collective.frameworks.kinds import plain_dtype
+from collective.groups.shm import gathered
 from collective.groups.shm.kernels import UFUNCS
 from collective.groups.shm.steps import Steps
 from collective.types import ReduceOp
@@ -53,6 +54,8 @@ class _Prepared:
     """Per slot buffer, every local rank's slot as a typed array of the message's length."""
     root: int
     """The op's root, -1 for allreduce."""
+    gathered: bool
+    """Whether the op is gathered at ``gathered.LEADER`` (see ``gathered``)."""
 
 
 class ShortOps:
@@ -94,6 +97,9 @@ class ShortOps:
             TimeoutError, PeerDiedError, AbortedError, MismatchError: as ``Steps``.
 
         """
+        if prepared.gathered:
+            self._allreduce_gathered(prepared, flat, deadline)
+            return
         steps = self._steps
         step, parts = self._start(prepared)
         self._give(step, parts, flat, deadline)
@@ -104,6 +110,29 @@ class ShortOps:
             ufunc(flat, part, out=flat)
         if prepared.divisor:
             np.divide(flat, prepared.divisor, out=flat)
+        steps.done(step)
+
+    def _allreduce_gathered(self, prepared: _Prepared, flat: np.ndarray, deadline: float) -> None:
+        """Run ``allreduce`` as ``gathered.allreduce`` does, on the prepared views."""
+        steps = self._steps
+        step, parts = self._start(prepared)
+        steps.free(step, deadline)
+        mine = parts[steps.rank]
+        if steps.rank == gathered.LEADER:
+            steps.gather(step, deadline)
+            ufunc = prepared.ufunc
+            ufunc(flat, parts[1], out=mine)
+            for part in parts[2:]:
+                ufunc(mine, part, out=mine)
+            if prepared.divisor:
+                np.divide(mine, prepared.divisor, out=mine)
+            flat[...] = mine
+            steps.post(step)
+        else:
+            mine[...] = flat
+            steps.post(step)
+            steps.collect_gathered(gathered.LEADER, step, deadline)
+            flat[...] = parts[gathered.LEADER]
         steps.done(step)
 
     def reduce(self, prepared: _Prepared, flat: np.ndarray, deadline: float) -> None:
@@ -181,6 +210,7 @@ class ShortOps:
                 divisor,
                 parts,
                 root,
+                kind == "allreduce" and gathered.gathers(steps, nbytes),
             )
         if len(self._prepared) >= MAX_PREPARED:
             self._prepared.clear()
