@@ -1,6 +1,6 @@
 """torch.distributed's backend "collective": torch's process groups over the library's CPU groups.
 
-``register`` registers it with torch (at ``import collective``, and through torch's
+``register`` registers it with torch under ``names.BACKEND_NAME`` (at ``import collective``, and through torch's
 ``torch.backends`` entry point); ``connect`` builds a group's ``CpuGroup`` on the store
 torch hands the backend; ``process_group`` is torch's ``ProcessGroup``, whose ops
 (``collectives``, ``exchange``, ``p2p``) map torch's option objects onto the library's

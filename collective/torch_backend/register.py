@@ -13,10 +13,8 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from collective.torch_backend.names import BACKEND_NAME
 from collective.types import ArgumentTypeError, GroupOptions
-
-BACKEND_NAME = "collective"
-"""The backend's name, as ``torch.distributed.init_process_group`` takes it."""
 
 _lock = threading.Lock()
 
