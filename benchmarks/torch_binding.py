@@ -1,7 +1,7 @@
 """What the torch binding adds per call: ``dist.all_reduce`` beside ``col.allreduce`` on one group.
 
 Usage: python -m benchmarks.torch_binding [--world-size 2] [--bytes 8] [--iters 2000]
-       [--rounds 7] [--json PATH]
+       [--rounds 7] [--import-runs 10] [--json PATH]
 
 Each rank of a world of spawned processes builds one torch process group of the backend
 "collective" and also names its library group for ``col.allreduce``; the ranks then time,
@@ -9,6 +9,10 @@ round after round and in turn, a loop of ``col.allreduce`` (the library's own ca
 ``dist.all_reduce`` (torch's function, through the backend) and ``pg.allreduce`` (the
 backend's method, as DDP's C++ calls it), each on the same tensor of the same group.
 It prints the median of each, per call, and the difference: what the binding adds.
+
+It also times ``import torch`` in fresh interpreters, in turn with torch's entry point
+that registers the backend (``TORCH_DEVICE_BACKEND_AUTOLOAD=1``, torch's default) and
+without it: what the registration at import costs every process that imports torch.
 """
 
 from __future__ import annotations
@@ -70,6 +74,29 @@ def _rank(rank: int, world_size: int, path: str, args: Any, results: Any) -> Non
     results.put((rank, times))
 
 
+def import_seconds(runs: int) -> dict[str, float]:
+    """Return the median seconds of ``import torch`` with and without the entry point."""
+    import subprocess
+    import sys
+
+    probe = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
+    seconds: dict[str, list[float]] = {"with": [], "without": []}
+    with tempfile.TemporaryDirectory() as elsewhere:  # not the checkout: its egg-info
+        for _ in range(runs):
+            for way, flag in (("with", "1"), ("without", "0")):
+                env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD=flag)
+                done = subprocess.run(
+                    [sys.executable, "-c", probe],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    cwd=elsewhere,
+                    check=True,
+                )
+                seconds[way].append(float(done.stdout))
+    return {way: round(statistics.median(values), 3) for way, values in seconds.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the timing; print and return the medians (and write them with ``--json``)."""
     import torch.multiprocessing as mp
@@ -79,8 +106,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--bytes", type=int, default=8)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--import-runs", type=int, default=10, help="0: skip the import timing")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    imports = import_seconds(args.import_runs) if args.import_runs else {}
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as temp:
@@ -108,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "us_per_call": medians,
         "added_over_col_allreduce_us": added,
         "goal_us": GOAL_US,
+        "import_torch_s": imports,
+        "import_torch_what": f"median of {args.import_runs} fresh interpreters each way, in "
+        "turn: with the entry point that registers the backend, and without",
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(json.dumps(found, indent=1))

@@ -171,25 +171,36 @@ def test_a_rank_that_dies_is_named_by_the_others(seen: dict[int, dict[str, Any]]
         assert kind == "CollectiveError" and "rank 2 died" in message, seen[rank]["dead"]
 
 
-def test_torch_registers_the_backend_through_its_entry_point(tmp_path: Path) -> None:
-    probe = (
-        "import sys, torch.distributed as dist; "
-        "print('collective' in sys.modules, 'COLLECTIVE' in dist.Backend._plugins)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
+ENTRY_POINT = """
+import sys, torch, torch.distributed as dist
+print("collective" in sys.modules, "COLLECTIVE" in dist.Backend._plugins)
+if "COLLECTIVE" in dist.Backend._plugins:
+    dist.init_process_group("collective", store=dist.HashStore(), rank=0, world_size=1)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    print(type(dist.group.WORLD).__name__, t.tolist())
+    dist.destroy_process_group()
+"""
+
+
+def test_torch_registers_the_backend_at_import_without_importing_the_library(
+    tmp_path: Path,
+) -> None:
+    def probe(autoload: str) -> list[str]:
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD=autoload)
+        done = subprocess.run(
+            [sys.executable, "-c", ENTRY_POINT],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.splitlines()
+
+    assert probe("1") == ["False True", "CollectiveProcessGroup [1.0, 1.0]"]
+    assert probe("0") == ["False False"]
 
 
 ONE_RANK = """
