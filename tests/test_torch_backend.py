@@ -86,6 +86,14 @@ def test_async_work_waits_polls_and_completes_its_future(seen: dict[int, dict[st
         assert got["many_async"] is True
 
 
+def test_the_convenience_forms_of_the_groups_ops(seen: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        got = seen[rank]
+        assert got["forms_allreduce"] == [3.0, 3.0]  # 0 + 1 + 2, then the max of threes
+        assert got["forms_rooted"] == ([9.0, 9.0] if rank == 0 else [3.0, 3.0])
+        assert got["forms_lists"] == [[0.0, 1.0, 2.0], 3.0]
+
+
 def test_send_recv_match_tags_sources_and_refuse_a_message_that_does_not_fit(
     seen: dict[int, dict[str, Any]],
 ) -> None:

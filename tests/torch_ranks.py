@@ -173,6 +173,7 @@ def ops(rank: int, world_size: int, path: Path) -> dict[str, Any]:
     dist.all_gather_coalesced(lists, [torch.full((1,), float(rank)), torch.full((2,), -rank * 1.0)])
     seen["all_gather_coalesced"] = [[t.tolist() for t in row] for row in lists]
     seen.update(_async(rank, world_size))
+    seen.update(_forms(rank, world_size))
     seen.update(_p2p(rank, world_size))
     seen.update(_objects(rank, world_size))
     seen.update(_subgroups(rank, world_size))
@@ -207,6 +208,29 @@ def _async(rank: int, world_size: int) -> dict[str, Any]:
         for i in range(world_size)
     ]
     seen["many_async"] = all(w.wait() for w in works)
+    return seen
+
+
+def _forms(rank: int, world_size: int) -> dict[str, Any]:
+    """Call the group's ops in torch's convenience forms, as hooks and programs do."""
+    import torch
+    import torch.distributed as dist
+
+    pg: Any = dist.group.WORLD
+    seen: dict[str, Any] = {}
+    t = torch.full((2,), float(rank))
+    pg.allreduce(t).wait()
+    pg.allreduce([t], op=dist.ReduceOp.MAX).wait()
+    seen["forms_allreduce"] = t.tolist()
+    pg.broadcast(t, 2).wait()
+    pg.reduce(t, 0, dist.ReduceOp.SUM).wait()
+    seen["forms_rooted"] = t.tolist()
+    outs = [torch.zeros(1) for _ in range(world_size)]
+    pg.allgather(outs, torch.full((1,), float(rank))).wait()
+    out = torch.zeros(1)
+    pg.reduce_scatter(out, [torch.ones(1) for _ in range(world_size)], op=dist.ReduceOp.SUM).wait()
+    pg.barrier(timeout=timedelta(seconds=60)).wait()
+    seen["forms_lists"] = ([o.item() for o in outs], out.item())
     return seen
 
 
