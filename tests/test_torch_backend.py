@@ -136,6 +136,18 @@ def test_destroy_leaves_no_shared_memory_and_a_new_group_works(
         assert seen[rank]["reinit"] == [3.0, 3.0]
 
 
+def test_ranks_on_two_hosts_meet_in_shared_memory_and_over_gloo(
+    seen: dict[int, dict[str, Any]],
+) -> None:
+    for rank in range(WORLD):
+        got = seen[rank]
+        assert "transport='hierarchical'" in got["hosts_repr"], got["hosts_repr"]
+        # all_reduce gives 6 everywhere; rank 2 broadcasts a copy of its 6 doubled
+        expected = [6.0] * 3 if rank == 2 else [12.0] * 3
+        assert got["hosts_collectives"] == [expected, [0.0, 1.0, 2.0]]
+    assert seen[0]["hosts_any_source"] == [[1, 101.0], [2, 102.0]]
+
+
 def test_disagreeing_calls_raise_on_every_rank_with_nothing_written(
     seen: dict[int, dict[str, Any]],
 ) -> None:

@@ -186,6 +186,7 @@ def ops(rank: int, world_size: int, path: Path) -> dict[str, Any]:
     dist.all_reduce(t)
     seen["reinit"] = t.tolist()
     dist.destroy_process_group()
+    seen.update(_hosts(rank, world_size, path.with_name(path.name + "-hosts")))
     return failures(rank, world_size, path.with_name(path.name + "-failures"), seen)
 
 
@@ -208,6 +209,40 @@ def _async(rank: int, world_size: int) -> dict[str, Any]:
         for i in range(world_size)
     ]
     seen["many_async"] = all(w.wait() for w in works)
+    return seen
+
+
+def _hosts(rank: int, world_size: int, path: Path) -> dict[str, Any]:
+    """Run ops on a group whose ranks 0 and 1 say they share a host and rank 2 is apart.
+
+    Ranks meet in shared memory inside a host and over Gloo between hosts: the
+    library's CPU group learns the hosts through the store, from each rank's node key.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from collective.groups import topology
+
+    real = topology.node_key
+    topology.node_key = lambda: "host:a" if rank < 2 else "host:b"
+    try:
+        init(rank, world_size, path)
+    finally:
+        topology.node_key = real
+    seen: dict[str, Any] = {"hosts_repr": repr(dist.group.WORLD)}
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.broadcast(t if rank != 2 else t * 2, src=2)
+    outs = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(outs, torch.full((1,), float(rank)))
+    seen["hosts_collectives"] = (t.tolist(), [o.item() for o in outs])
+    if rank == 0:
+        got = [torch.zeros(1), torch.zeros(1)]
+        sources = sorted((dist.recv(g), g.item()) for g in got)
+        seen["hosts_any_source"] = sources
+    else:
+        dist.send(torch.full((1,), 100.0 + rank), 0)
+    dist.destroy_process_group()
     return seen
 
 
