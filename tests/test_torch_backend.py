@@ -75,6 +75,7 @@ def test_gathers_scatters_and_all_to_alls(seen: dict[int, dict[str, Any]]) -> No
         assert got["all_to_all_single"] == [float(k) for k in range(WORLD) for _ in range(rank + 1)]
         assert got["all_reduce_coalesced"] == [[3.0, 3.0], [3.0, 3.0, 3.0]]
         assert got["all_gather_coalesced"] == [[[float(j)], [-float(j)] * 2] for j in range(WORLD)]
+        assert got["sparse"] == [1.0, 1.0, 1.0, 3.0]  # each rank's 1 at its rank, 0+1+2 at 3
 
 
 def test_async_work_waits_polls_and_completes_its_future(seen: dict[int, dict[str, Any]]) -> None:

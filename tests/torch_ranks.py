@@ -172,6 +172,9 @@ def ops(rank: int, world_size: int, path: Path) -> dict[str, Any]:
     lists = [[torch.zeros(1), torch.zeros(2)] for _ in range(world_size)]
     dist.all_gather_coalesced(lists, [torch.full((1,), float(rank)), torch.full((2,), -rank * 1.0)])
     seen["all_gather_coalesced"] = [[t.tolist() for t in row] for row in lists]
+    sparse = torch.sparse_coo_tensor(torch.tensor([[rank, 3]]), torch.tensor([1.0, rank]), (4,))
+    dist.all_reduce(sparse)
+    seen["sparse"] = sparse.to_dense().tolist()
     seen.update(_async(rank, world_size))
     seen.update(_forms(rank, world_size))
     seen.update(_p2p(rank, world_size))

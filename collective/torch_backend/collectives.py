@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from collective.ops import list_calls
 from collective.ops.calls import ALLREDUCE, BROADCAST, REDUCE, call
+from collective.torch_backend import sparse
 from collective.torch_backend.adapter import Adapter
 from collective.torch_backend.options import REDUCE_OPS, reduce_op, timeout_of
 from collective.torch_backend.overloads import listed, options
@@ -50,7 +51,8 @@ def one_tensor(tensors: list[Any], name: str) -> Any:
 def allreduce(self: Adapter, tensors: Any, *args: Any, **kwargs: Any) -> Any:
     """Reduce every rank's tensor by ``opts.reduceOp`` into each rank's tensor, in place.
 
-    Takes ``(tensors, opts)`` or torch's ``(tensor or tensors, op=SUM, timeout=None)``.
+    A sparse COO tensor is summed (``sparse``). Takes ``(tensors, opts)`` or torch's
+    ``(tensor or tensors, op=SUM, timeout=None)``.
     """
     opts: Any = args[0] if len(args) == 1 else None
     if opts.__class__ is not _ALLREDUCE or kwargs:
@@ -58,6 +60,8 @@ def allreduce(self: Adapter, tensors: Any, *args: Any, **kwargs: Any) -> Any:
     tensor = tensors[0] if len(tensors) == 1 else one_tensor(tensors, "tensor")
     if not tensor.is_cpu:
         return self.other_device("allreduce", tensor, tensors, opts)
+    if tensor.is_sparse:
+        return sparse.all_reduce(self, tensor, opts)
     op = REDUCE_OPS[opts.reduceOp.op.value] or reduce_op(opts)
     timeout = opts.timeout
     if opts.asyncOp:
