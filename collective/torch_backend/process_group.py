@@ -64,10 +64,28 @@ class CollectiveProcessGroup(_ProcessGroup):
         self._monitored = MonitoredBarrier(store, group.rank, group.world_size)
         self._bound_lock = threading.Lock()
         self._bound: set[str] = set()
+        self._torch_name = ""
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         """Return "collective"."""
         return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        """Keep the name torch gives the group (torch's own keeps it on a backend it lacks)."""
+        self._torch_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        """Return the name torch gave the group.
+
+        Raises:
+            RuntimeError: torch has not named it yet.
+
+        """
+        if not self._torch_name:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._torch_name
 
     def __repr__(self) -> str:
         return (
