@@ -315,7 +315,7 @@ FIRST_PAGES = {
     "performance-detail.md", "performance.md", "quickstart.md", "reference.md",
     "support-matrix.md", "troubleshooting.md", "weight-sync.md",
 }  # fmt: skip
-FIRST_WORDS = 24500
+FIRST_WORDS = 25000
 """The pages of the site before it gave GPU status and torch.distributed pages their own,
 and their budget within ``ALL_WORDS``, which leaves those pages room."""
 INCLUDE = re.compile(r"^```\{include\} (\S+)", flags=re.M)
