@@ -56,6 +56,8 @@ from collective.registry.queries import (
     nccl_available,
 )
 from collective.registry.subgroups import new_group
+from collective.torch_backend.register import register_if_loaded as _register_if_loaded
+from collective.torch_backend.register import register_torch_backend
 from collective.types import (
     ArgumentError,
     ArgumentTypeError,
@@ -119,6 +121,7 @@ __all__ = [
     "register_ray_backend",
     "register_shm_transport",
     "register_tensor_transport",
+    "register_torch_backend",
     "scatter",
     "send",
     "send_multigpu",
@@ -127,3 +130,5 @@ __all__ = [
     "synchronize",
     "watch",
 ]
+
+_register_if_loaded()

@@ -42,6 +42,7 @@ def test_public_names_are_all_exported() -> None:
             "registry",
             "rendezvous",
             "signature",
+            "torch_backend",
             "types",
             "work",
         }

@@ -53,6 +53,8 @@ ROOMS: dict[str, set[str]] = {
     "ray_plugins": BASE
     | {"work", "frameworks", "groups", "groups.shm", "groups.shared_gpu", "checks", "registry"}
     | {"ops"},
+    "torch_backend": BASE
+    | {"work", "frameworks", "rendezvous", "groups", "groups.cpu", "ops", "bulk"},
 }
 """Every room of the package (a top-level module, a folder, or one transport in ``groups/``)
 and the rooms it may import: imports point down, and never across transports (the CPU

@@ -52,7 +52,7 @@ def gather(
 
     """
     args, group = (tensor, gather_list), get_group_handle(group_name)
-    return call(_build_gather, group, "gather", args, (dst_rank,), timeout, async_op)
+    return call(build_gather, group, "gather", args, (dst_rank,), timeout, async_op)
 
 
 def scatter(
@@ -78,7 +78,7 @@ def scatter(
 
     """
     args, group = (tensor, scatter_list), get_group_handle(group_name)
-    return call(_build_scatter, group, "scatter", args, (src_rank,), timeout, async_op)
+    return call(build_scatter, group, "scatter", args, (src_rank,), timeout, async_op)
 
 
 def alltoall(
@@ -103,7 +103,7 @@ def alltoall(
 
     """
     args, group = (output_tensor_list, input_tensor_list), get_group_handle(group_name)
-    return call(_build_alltoall, group, "alltoall", args, (), timeout, async_op)
+    return call(build_alltoall, group, "alltoall", args, (), timeout, async_op)
 
 
 def alltoall_single(
@@ -131,10 +131,10 @@ def alltoall_single(
     """
     args, group = (output, input), get_group_handle(group_name)
     sizes = (output_split_sizes, input_split_sizes)
-    return call(_build_alltoall_single, group, "alltoall_single", args, sizes, timeout, async_op)
+    return call(build_alltoall_single, group, "alltoall_single", args, sizes, timeout, async_op)
 
 
-def _build_gather(
+def build_gather(
     group: BaseGroup, x: Any, gather_list: Any, dst_rank: Any, timeout: Any, async_op: Any
 ) -> tuple[Launch, bool]:
     """Check a gather and return its launch; see ``gather``."""
@@ -153,7 +153,7 @@ def _build_gather(
     return (lambda args: returned(run(lambda: ([as_list(args[1])], [args[0]])), is_async)), keep
 
 
-def _build_scatter(
+def build_scatter(
     group: BaseGroup, x: Any, scatter_list: Any, src_rank: Any, timeout: Any, async_op: Any
 ) -> tuple[Launch, bool]:
     """Check a scatter and return its launch; see ``scatter``."""
@@ -173,7 +173,7 @@ def _build_scatter(
     return (lambda args: returned(run(lambda: ([args[0]], [as_list(args[1])])), is_async)), keep
 
 
-def _build_alltoall(
+def build_alltoall(
     group: BaseGroup, output_tensor_list: Any, input_tensor_list: Any, timeout: Any, async_op: Any
 ) -> tuple[Launch, bool]:
     """Check an alltoall and return its launch; see ``alltoall``."""
@@ -187,7 +187,7 @@ def _build_alltoall(
     return (lambda args: returned(run(lambda: (list(args[0]), list(args[1]))), is_async)), keep
 
 
-def _build_alltoall_single(
+def build_alltoall_single(
     group: BaseGroup,
     output: Any,
     input: Any,
