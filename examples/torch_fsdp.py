@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 
 import collective  # noqa: F401  (registers the "collective" backend with torch.distributed)
 
-BACKEND = "gloo"
+BACKEND = "collective"
 WORLD_SIZE = 2
 STEPS = 4
 BATCH = 16
@@ -86,15 +87,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def joined(processes: mp.ProcessContext, timeout_s: float) -> bool:
-    """Wait at most ``timeout_s`` for every rank to end; kill those left and return False."""
-    deadline = time.monotonic() + timeout_s
-    while not processes.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in processes.processes:
-                process.kill()
-            return False
-    return True
+def collect(processes: mp.ProcessContext, results: mp.Queue) -> dict[int, Any] | None:
+    """Return each rank's results, or None if they did not all come within the time limit.
+
+    Reads before joining: a rank exits only once what it sent is read. A rank that
+    raised ends the wait at once: ``join`` raises its error, after ending the others.
+    """
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    trained: dict[int, Any] = {}
+    while len(trained) < WORLD_SIZE and time.monotonic() < deadline:
+        try:
+            rank, result = results.get(timeout=1)
+            trained[rank] = result
+        except queue.Empty:
+            processes.join(timeout=0)
+    while len(trained) == WORLD_SIZE and not processes.join(timeout=1):
+        if time.monotonic() > deadline:
+            break
+    if len(trained) < WORLD_SIZE or any(p.is_alive() for p in processes.processes):
+        for process in processes.processes:
+            process.kill()
+        return None
+    return trained
 
 
 def main() -> int:
@@ -103,12 +117,8 @@ def main() -> int:
     processes = mp.start_processes(
         worker, (free_port(), results), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )
-    try:
-        # Read before joining: a rank exits only once its parameters are read.
-        trained = dict(results.get(timeout=RESULT_TIMEOUT_S) for _ in range(WORLD_SIZE))
-    except queue.Empty:
-        trained = {}
-    if not trained or not joined(processes, RESULT_TIMEOUT_S):
+    trained = collect(processes, results)
+    if trained is None:
         print(f"the ranks did not all end within {RESULT_TIMEOUT_S} s")
         return 1
     ok = True

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer, prepare_model
 
-BACKEND = "gloo"
+BACKEND = "collective"
 WORKERS = 2
 STEPS = 20
 RESULT_TIMEOUT_S = 60

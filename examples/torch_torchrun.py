@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import collective  # noqa: F401  (registers the "collective" backend with torch.distributed)
 
-BACKEND = "gloo"
+BACKEND = "collective"
 NPROC = 4
 RUN_TIMEOUT_S = 240
 
