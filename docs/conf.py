@@ -172,6 +172,11 @@ API_TOPICS: list[tuple[str, str, list[str]]] = [
         ["register_ray_backend", "register_tensor_transport", "register_shm_transport"],
     ),
     (
+        "Inside torch.distributed",
+        'Run torch code on this library: ``torch.distributed.init_process_group("collective")``.',
+        ["register_torch_backend"],
+    ),
+    (
         "Queries",
         "Ask which groups exist, who is in them, and which backends this process can run.",
         [

@@ -84,7 +84,8 @@ def test_wheel_holds_the_package_its_type_marker_and_no_tests(wheel: Path) -> No
     names = zipfile.ZipFile(wheel).namelist()
     assert "collective/py.typed" in names
     assert "collective/groups/base.py" in names
-    assert {name.split("/")[0] for name in names} == {"collective", f"{dist_info}.dist-info"}
+    top = {"collective", "collective_torch_backend.py", f"{dist_info}.dist-info"}
+    assert {name.split("/")[0] for name in names} == top, "torch's entry point is a module"
     metadata = zipfile.ZipFile(wheel).read(f"{dist_info}.dist-info/METADATA").decode()
     assert f"Name: {DISTRIBUTION}\n" in metadata
     assert "Provides-Extra: nccl\n" in metadata

@@ -20,8 +20,10 @@ the next message before it touches its tensor:
   receives were posted.
 
 Receives from one peer run in order on a lane of their own, so a receive from one
-peer never waits behind one from another. Waits of a receive end by its timeout (the
-group's unless the call sets one) and raise ``CollectiveTimeoutError`` naming the peer.
+peer never waits behind one from another. Each wait of a receive (for a header, for
+the data) ends by the group's timeout and raises ``CollectiveTimeoutError`` naming the
+peer; the group's sends and receives run with the group's timeout, so each keeps one
+launch in the group's cache, whatever the deadline left.
 """
 
 from __future__ import annotations
@@ -144,11 +146,11 @@ class PointToPoint:
             peer, message = self._next_header(src, deadline, timeout)
             if message.tag == tag:
                 if not message.fits(tensor):
-                    self._read(peer, message, deadline)
+                    self._read(peer, message)
                     self._check_fits(message, tensor, peer)
-                call(RECV, self._group, tensor, None, peer, _left(deadline), False)
+                call(RECV, self._group, tensor, None, peer, None, False)
                 return peer
-            kept = self._read(peer, message, deadline)
+            kept = self._read(peer, message)
             with self._lock:
                 self._kept.setdefault(peer, deque()).append((message.tag, kept))
 
@@ -170,7 +172,7 @@ class PointToPoint:
             ahead = self._ahead.pop(src, None)
             if ahead is None:
                 words = torch.zeros(3, dtype=torch.int64)
-                call(RECV, self._group, words, None, src, _left(deadline), False)
+                call(RECV, self._group, words, None, src, None, False)
                 return src, Message(words.tolist())
             ahead[0].wait(_left(deadline))
             return src, Message(ahead[1].tolist())
@@ -205,7 +207,7 @@ class PointToPoint:
             raise RuntimeError("an async receive returned no Work")
         return work, words
 
-    def _read(self, peer: int, message: Message, deadline: float) -> torch.Tensor:
+    def _read(self, peer: int, message: Message) -> torch.Tensor:
         """Receive ``message``'s data from ``peer`` into a tensor of its own and return it."""
         if not 0 <= message.code < len(NAMES):
             raise ArgumentValueError(
@@ -213,7 +215,7 @@ class PointToPoint:
                 "library does not know"
             )
         data = torch.empty(message.count, dtype=getattr(torch, NAMES[message.code]))
-        call(RECV, self._group, data, None, peer, _left(deadline), False)
+        call(RECV, self._group, data, None, peer, None, False)
         return data
 
     def _check_fits(self, message: Message, tensor: torch.Tensor, peer: int) -> None:

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from collective.groups.cpu.group import CpuGroup
 from collective.ops import list_calls
 from collective.torch_backend import collectives, exchange
+from collective.torch_backend.monitored import MonitoredBarrier
+from collective.torch_backend.names import BACKEND_NAME
 from collective.torch_backend.options import timeout_of
 from collective.torch_backend.p2p import ANY, PointToPoint
-from collective.torch_backend.register import BACKEND_NAME
 from collective.torch_backend.work import DONE, Futures, TorchWork
 from collective.types import ArgumentValueError
 from collective.work import Work
@@ -34,6 +35,16 @@ from collective.work import Work
 _ProcessGroup: Any = dist.ProcessGroup
 """torch's class, untyped for the type checker: the ops, written in modules of their own
 for any ``Adapter``, are assigned in the class body."""
+
+
+_BACKEND_OPS = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+"""The name of each op on torch's ``Backend``, where it differs from the process group's."""
 
 
 class CollectiveProcessGroup(_ProcessGroup):
@@ -50,6 +61,7 @@ class CollectiveProcessGroup(_ProcessGroup):
         self._store = store
         self._futures = Futures(group.group_name)
         self._p2p = PointToPoint(group)
+        self._monitored = MonitoredBarrier(store, group.rank, group.world_size)
         self._bound_lock = threading.Lock()
         self._bound: set[str] = set()
 
@@ -125,20 +137,19 @@ class CollectiveProcessGroup(_ProcessGroup):
     def monitored_barrier(
         self, timeout: timedelta | None = None, wait_all_ranks: bool = False
     ) -> None:
-        """Block until every rank has entered the barrier, up to ``timeout``.
+        """Block until every rank has entered the barrier, up to ``timeout``; see ``monitored``.
+
+        ``torch.distributed.monitored_barrier`` refuses every backend but one named
+        "gloo"; call this method of the group instead. A failure leaves the group usable.
 
         Raises:
-            CollectiveTimeoutError: some rank did not enter in time; the message names
-                every rank that did not, on every rank that waited.
+            RuntimeError: on rank 0, naming the ranks that did not enter in time; on the
+                others, saying that rank 0 reported a failure.
 
         """
-        opts = dist.BarrierOptions()
-        if timeout is not None:
-            opts.timeout = timeout
-        opts.asyncOp = False
-        list_calls.call(
-            list_calls.build_barrier, self.group, "barrier", (), (), timeout_of(opts), False
-        )
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        self._monitored(self.group.timeout if timeout is None else timeout, wait_all_ranks)
 
     # --- what the ops share -------------------------------------------------------------------
 
@@ -165,14 +176,15 @@ class CollectiveProcessGroup(_ProcessGroup):
         return TorchWork(work, outputs, self._futures, lane)
 
     def other_device(self, op: str, tensor: torch.Tensor, *args: Any) -> Any:
-        """Run ``op`` on a tensor of another device through torch's own dispatch.
+        """Run ``op`` on a tensor of another device on torch's backend for that device.
 
-        torch finds the backend registered for the device; for CUDA, when the group's
-        configuration names NCCL there, it is made on first use. Without one, torch
-        raises its own error.
+        The backend is the one the group's configuration names for the device's kind
+        (for CUDA, NCCL is made on first use); where there is none, torch raises its own
+        error ("No backend type associated with device type ...").
         """
         self._bind(tensor.device)
-        return getattr(dist.ProcessGroup, op)(self, *args)
+        backend = self._get_backend(tensor.device)
+        return getattr(backend, _BACKEND_OPS.get(op, op))(*args)
 
     def _bind(self, device: torch.device) -> None:
         """Register the backend the group's configuration names for ``device``'s kind, once."""

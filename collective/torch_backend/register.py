@@ -2,8 +2,9 @@
 
 ``import collective`` registers it when ``torch.distributed`` is already imported
 (``register_if_loaded``); otherwise torch registers it itself when it is imported, through
-the ``torch.backends`` entry point (``autoload``), which imports nothing of torch's
-either. The backend's classes are imported when torch first builds a group of it.
+the ``torch.backends`` entry point (the top-level module ``collective_torch_backend``,
+whose creator calls this one's). The backend's classes are imported when torch first
+builds a group of it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from collective.torch_backend.names import BACKEND_NAME
 from collective.types import ArgumentTypeError, GroupOptions
-
-BACKEND_NAME = "collective"
-"""The backend's name, as ``torch.distributed.init_process_group`` takes it."""
 
 _lock = threading.Lock()
 
@@ -32,8 +31,8 @@ def register_torch_backend() -> None:
     where neither ran, e.g. in a hook that sets up worker processes. Calling it again
     is a no-op.
 
-    CUDA tensors need a backend of their own: ``init_process_group("cpu:collective,
-    cuda:nccl")`` gives them to torch's NCCL.
+    CUDA tensors need a backend of their own:
+    ``init_process_group("cpu:collective,cuda:nccl")`` gives them to torch's NCCL.
 
     Raises:
         CollectiveError: torch was built without ``torch.distributed``.
@@ -47,7 +46,7 @@ def register_torch_backend() -> None:
         raise CollectiveError("this torch was built without torch.distributed")
     with _lock:
         plugin = dist.Backend._plugins.get(BACKEND_NAME.upper())
-        if plugin is not None and plugin.creator_fn is create_process_group:
+        if plugin is not None and plugin.creator_fn in _creators():
             return
         dist.Backend.register_backend(
             BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu"]
@@ -60,17 +59,13 @@ def register_if_loaded() -> None:
         register_torch_backend()
 
 
-def autoload() -> None:
-    """Register the backend as torch is imported: the ``torch.backends`` entry point.
-
-    torch calls this while it imports itself, and a failure here would fail that import,
-    so nothing escapes: a failure leaves the backend unregistered, and
-    ``register_torch_backend`` raises it where it is called.
-    """
+def _creators() -> tuple[Any, ...]:
+    """Return the creators that register this backend: this module's and the entry point's."""
     try:
-        register_torch_backend()
-    except Exception:  # torch's import must survive whatever goes wrong here
-        return
+        import collective_torch_backend
+    except ImportError:  # a checkout that is not installed
+        return (create_process_group,)
+    return (create_process_group, collective_torch_backend.create_process_group)
 
 
 def create_process_group(backend_options: Any, pg_options: Any) -> Any:
