@@ -13,12 +13,13 @@ times, round by round with the two in alternating order (see ``torch_backend_ran
   ``dist.reduce_scatter_tensor`` of float32 buffers from 8 B to 256 MiB (sizes as in
   nccl-tests: the whole buffer of the chunked ops), time per call;
 - DDP training steps of a model of 16 bias-free 1024 x 1024 linear layers (64 MiB of
-  gradients), steps per second;
+  gradients) on a batch of 2, steps per second;
 - the torch binding's cost per call: an 8-byte ``dist.all_reduce`` beside the
   library's own call (what ``col.allreduce`` runs) on the group the binding holds.
 
 A round's value is the slowest rank's; the tables give the median of the rounds and
-their range, and the goals compare medians at 2 ranks. ``--json`` writes everything,
+their range, and the goals compare medians at 2 ranks. Each rank runs torch on one
+thread, as ``torchrun`` sets it up (``OMP_NUM_THREADS=1``). ``--json`` writes everything,
 with the machine, the load and the command, to a results file.
 """
 
@@ -38,7 +39,16 @@ from typing import Any
 from benchmarks.__main__ import parse_size
 from benchmarks.goals import FAIL, NOT_MEASURED, PASS, Goal
 from benchmarks.report import human
-from benchmarks.torch_backend_ranks import BACKENDS, DDP_LAYERS, DDP_WIDTH, OPS, Plan, run_rank
+from benchmarks.torch_backend_ranks import (
+    BACKENDS,
+    DDP_BATCH,
+    DDP_LAYERS,
+    DDP_WIDTH,
+    OPS,
+    THREADS,
+    Plan,
+    run_rank,
+)
 
 SIZES = "8,1K,64K,1M,16M,64M,256M"
 RESULT_TIMEOUT = timedelta(minutes=20)
@@ -116,7 +126,7 @@ def _median(rows: list[dict], unit: str, **where: Any) -> float | None:
     return found[0][unit]["median"] if found else None
 
 
-def goals(data: dict[str, list]) -> list[Goal]:
+def goals(data: dict[str, Any]) -> list[Goal]:
     """Return the issue's four goals, each judged on this run's medians at 2 ranks."""
     verdicts = []
     for size, goal in ((8, SMALL_SPEEDUP), (64 << 20, LARGE_SPEEDUP)):
@@ -237,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rounds": args.rounds,
         "ddp_gradient_bytes": args.ddp_layers * DDP_WIDTH * DDP_WIDTH * 4,
         "ddp_steps_per_round": args.ddp_steps,
+        "ddp_batch": DDP_BATCH,
+        "threads_per_rank": THREADS,
         "binding_calls_per_block": args.binding_calls,
     }
     data["goals"] = [g.__dict__ for g in goals(data)]

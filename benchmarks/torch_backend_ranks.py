@@ -13,6 +13,7 @@ its per-call (or per-step) seconds of each round; the parent keeps the slowest r
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,10 +40,15 @@ DDP_LAYERS = 16
 DDP_WIDTH = 1024
 """DDP's model: ``DDP_LAYERS`` bias-free linear layers of ``DDP_WIDTH`` squared, float32:
 16 x 1024 x 1024 x 4 B = 64 MiB of gradients, in DDP's default 25 MiB buckets."""
-DDP_BATCH = 8
+DDP_BATCH = 2
+"""Small, so that a step moves more bytes than it computes on: 64 MiB of gradients a step."""
+THREADS = 1
+"""torch's threads per rank, as ``torchrun`` sets them up (``OMP_NUM_THREADS=1``)."""
 BINDING_BLOCKS = 10
 """Blocks of each of the two calls per round, alternated, in the binding's comparison."""
 TIMEOUT = timedelta(seconds=300)
+BINDING_GROUP = "torch-backend-binding"
+"""The name ``col.allreduce`` finds the binding's group by."""
 
 Times = dict[tuple[Any, ...], list[float]]
 """Per measurement key, the seconds of each round (per call, or per DDP step)."""
@@ -152,20 +158,20 @@ def time_ddp(plan: Plan, rank: int, groups: dict[str, Any]) -> Times:
 
 
 def time_binding(plan: Plan, group: Any) -> Times:
-    """Time an 8-byte ``dist.all_reduce`` beside the library's own call on the same group.
+    """Time an 8-byte ``dist.all_reduce`` beside ``col.allreduce`` on the same group.
 
-    The library's call is what ``col.allreduce`` runs once it has found the group by
-    its name: ``calls.call(ALLREDUCE, group, ...)``, here on the ``CpuGroup`` that the
-    torch binding holds. Blocks of each alternate; a round's value is the median block.
+    The binding's ``CpuGroup`` is registered under a name of its own in this process,
+    so that ``col.allreduce`` finds it as it finds any group. Blocks of each call
+    alternate; a round's value is its median block.
     """
-    from collective.ops.calls import ALLREDUCE, call
-    from collective.types import ReduceOp
+    import collective as col
+    from collective.registry import held
 
-    library_group = dist.distributed_c10d._get_default_group().group
+    held.create_group(BINDING_GROUP, lambda: (group.group, None))
     x = torch.ones(2)
     runs = {
-        "torch": lambda: dist.all_reduce(x),
-        "library": lambda: call(ALLREDUCE, library_group, x, ReduceOp.SUM, -1, None, False),
+        "torch": lambda: dist.all_reduce(x, group=group),
+        "library": lambda: col.allreduce(x, group_name=BINDING_GROUP),
     }
     for run in runs.values():
         run()
@@ -176,7 +182,8 @@ def time_binding(plan: Plan, group: Any) -> Times:
             for name in runs if (r + b) % 2 == 0 else reversed(runs):
                 blocks[name].append(timed(runs[name], plan.binding_calls, group))
         for name, seconds in blocks.items():
-            times.setdefault(("binding", name), []).append(sorted(seconds)[len(seconds) // 2])
+            times.setdefault(("binding", name), []).append(statistics.median(seconds))
+    held.forget(BINDING_GROUP)
     return times
 
 
@@ -185,6 +192,7 @@ def run_rank(rank: int, world_size: int, port: int, plan: Plan, results: Any) ->
     import collective  # noqa: F401  (registers the backend where torch's autoload did not)
 
     torch.set_flush_denormal(True)
+    torch.set_num_threads(THREADS)
     store = dist.TCPStore("127.0.0.1", port, world_size, False, TIMEOUT)
     dist.init_process_group(
         "collective", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT
