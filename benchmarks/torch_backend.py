@@ -121,6 +121,11 @@ def records(world_size: int, times: dict[tuple[Any, ...], list[float]]) -> dict[
     return rows
 
 
+def micros(us: float) -> str:
+    """Return a time in microseconds as text in its best unit: ``9.7 us``, ``103 ms``."""
+    return f"{us:.3g} us" if us < 1000 else f"{us / 1000:.3g} ms"
+
+
 def _median(rows: list[dict], unit: str, **where: Any) -> float | None:
     found = [r for r in rows if all(r[k] == v for k, v in where.items())]
     return found[0][unit]["median"] if found else None
@@ -139,7 +144,7 @@ def goals(data: dict[str, Any]) -> list[Goal]:
             verdicts.append(Goal(claim, "not in this run", NOT_MEASURED))
             continue
         ratio = gloo / ours
-        measured = f"{ratio:.1f}x ({ours:.3g} us against {gloo:.3g} us)"
+        measured = f"{ratio:.1f}x ({micros(ours)} against {micros(gloo)})"
         verdicts.append(Goal(claim, measured, PASS if ratio >= goal else FAIL))
     claim = f"DDP, 64 MiB of gradients, 2 ranks: >= {DDP_SPEEDUP:g}x gloo's steps per second"
     ours, gloo = (_median(data["ddp"], "steps_per_s", world_size=2, backend=b) for b in BACKENDS)

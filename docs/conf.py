@@ -14,6 +14,9 @@ benchmark runs, so they cannot drift:
   and commands, and the detail page's full tables and figures, from
   ``docs/performance/results.json``, ``busbw*.png``, ``bulk.json`` and ``bulk.png``.
   Without them the pages say how to make them.
+- the torch.distributed page's numbers (``@numbers@``), from
+  ``docs/performance/torch_backend.json`` (``torch_pages``); without it the page says how
+  to make it.
 - every GPU number: the NCCL page's "How fast on GPUs" (``@gpu@``), the landing page's
   GPU rows (``@gpu_headlines@``) and the performance page's pointer (``@gpu_status@``),
   from ``docs/performance/gpu.json`` (``gpu_pages``); without it they say that no GPU

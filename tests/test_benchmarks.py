@@ -12,6 +12,7 @@ the module that they left nothing in it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -195,22 +196,25 @@ def test_quick_benchmark_writes_table_goals_json_and_plot(smoke: SmokeRun) -> No
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("module", "flags", "message"),
     [
-        (["--ops", "allreduce,scan"], "unknown ops"),
-        (["--impls", "collective,mpi"], "unknown impls"),
-        (["--sizes", "8,4X"], "sizes must be like"),
+        ("__main__", ["--ops", "allreduce,scan"], "unknown ops"),
+        ("__main__", ["--impls", "collective,mpi"], "unknown impls"),
+        ("__main__", ["--sizes", "8,4X"], "sizes must be like"),
+        ("torch_backend", ["--ops", "all_reduce,scan"], "unknown ops ['scan']"),
+        ("torch_backend", ["--world-sizes", "1"], "world sizes must be at least 2"),
+        ("torch_backend", ["--sizes", "8,4X"], "sizes must be like"),
     ],
 )
 def test_bad_arguments_are_rejected_before_anything_starts(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    module: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``python -m benchmarks`` with these flags exits with status 2 from its argument checks.
+    """``python -m benchmarks[.module]`` with these flags exits with status 2 from its checks.
 
-    Its ``main`` runs here, as ``-m`` runs it (the quick test runs it so); nothing
+    Its ``main`` runs here, as ``-m`` runs it (the smoke tests run it so); nothing
     else starts, so no process needs to.
     """
-    from benchmarks.__main__ import main
+    main = importlib.import_module(f"benchmarks.{module}").main
 
     with pytest.raises(SystemExit) as exit_:
         main(flags)
@@ -603,22 +607,3 @@ def test_torch_backend_benchmark_writes_every_row_and_goal(smoke: SmokeRun) -> N
     assert verdicts[0] in ("pass", "fail") and verdicts[3] in ("pass", "fail")
     for goal in data["goals"]:
         assert goal["claim"] in done.stdout
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--ops", "all_reduce,scan"], "unknown ops ['scan']"),
-        (["--world-sizes", "1"], "world sizes must be at least 2"),
-        (["--sizes", "8,4X"], "sizes must be like"),
-    ],
-)
-def test_torch_backend_benchmark_rejects_bad_arguments_before_starting(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from benchmarks.torch_backend import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(flags)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err

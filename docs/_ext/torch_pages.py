@@ -85,7 +85,11 @@ def binding_table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|",
     ]
     for r in rows:
-        cells = (spread(r[k]) for k in ("torch_us", "library_us", "added_us"))
+        cells = [spread(r[k]) for k in ("torch_us", "library_us")]
+        added = r["added_us"]
+        cells.append(
+            f"{added['median']:.2f}\u00a0µs [{added['min']:.2f} to {added['max']:.2f}\u00a0µs]"
+        )
         lines.append(f"| {r['world_size']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
