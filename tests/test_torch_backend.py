@@ -75,6 +75,7 @@ def test_gathers_scatters_and_all_to_alls(seen: dict[int, dict[str, Any]]) -> No
         assert got["all_to_all_single"] == [float(k) for k in range(WORLD) for _ in range(rank + 1)]
         assert got["all_reduce_coalesced"] == [[3.0, 3.0], [3.0, 3.0, 3.0]]
         assert got["all_gather_coalesced"] == [[[float(j)], [-float(j)] * 2] for j in range(WORLD)]
+        assert got["sparse"] == [1.0, 1.0, 1.0, 3.0]  # each rank's 1 at its rank, 0+1+2 at 3
 
 
 def test_async_work_waits_polls_and_completes_its_future(seen: dict[int, dict[str, Any]]) -> None:
@@ -84,6 +85,14 @@ def test_async_work_waits_polls_and_completes_its_future(seen: dict[int, dict[st
         assert got["future"] == [[3.0] * 4]
         assert got["chained"] == [6.0] * 4
         assert got["many_async"] is True
+
+
+def test_the_convenience_forms_of_the_groups_ops(seen: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        got = seen[rank]
+        assert got["forms_allreduce"] == [3.0, 3.0]  # 0 + 1 + 2, then the max of threes
+        assert got["forms_rooted"] == ([9.0, 9.0] if rank == 0 else [3.0, 3.0])
+        assert got["forms_lists"] == [[0.0, 1.0, 2.0], 3.0]
 
 
 def test_send_recv_match_tags_sources_and_refuse_a_message_that_does_not_fit(
@@ -126,6 +135,18 @@ def test_destroy_leaves_no_shared_memory_and_a_new_group_works(
         assert seen[rank]["mapped_after_destroy"] == []
         assert seen[rank]["files_after_destroy"] == []
         assert seen[rank]["reinit"] == [3.0, 3.0]
+
+
+def test_ranks_on_two_hosts_meet_in_shared_memory_and_over_gloo(
+    seen: dict[int, dict[str, Any]],
+) -> None:
+    for rank in range(WORLD):
+        got = seen[rank]
+        assert "transport='hierarchical'" in got["hosts_repr"], got["hosts_repr"]
+        # all_reduce gives 6 everywhere; rank 2 broadcasts a copy of its 6 doubled
+        expected = [6.0] * 3 if rank == 2 else [12.0] * 3
+        assert got["hosts_collectives"] == [expected, [0.0, 1.0, 2.0]]
+    assert seen[0]["hosts_any_source"] == [[1, 101.0], [2, 102.0]]
 
 
 def test_disagreeing_calls_raise_on_every_rank_with_nothing_written(

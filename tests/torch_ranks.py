@@ -172,7 +172,11 @@ def ops(rank: int, world_size: int, path: Path) -> dict[str, Any]:
     lists = [[torch.zeros(1), torch.zeros(2)] for _ in range(world_size)]
     dist.all_gather_coalesced(lists, [torch.full((1,), float(rank)), torch.full((2,), -rank * 1.0)])
     seen["all_gather_coalesced"] = [[t.tolist() for t in row] for row in lists]
+    sparse = torch.sparse_coo_tensor(torch.tensor([[rank, 3]]), torch.tensor([1.0, rank]), (4,))
+    dist.all_reduce(sparse)
+    seen["sparse"] = sparse.to_dense().tolist()
     seen.update(_async(rank, world_size))
+    seen.update(_forms(rank, world_size))
     seen.update(_p2p(rank, world_size))
     seen.update(_objects(rank, world_size))
     seen.update(_subgroups(rank, world_size))
@@ -185,6 +189,7 @@ def ops(rank: int, world_size: int, path: Path) -> dict[str, Any]:
     dist.all_reduce(t)
     seen["reinit"] = t.tolist()
     dist.destroy_process_group()
+    seen.update(_hosts(rank, world_size, path.with_name(path.name + "-hosts")))
     return failures(rank, world_size, path.with_name(path.name + "-failures"), seen)
 
 
@@ -207,6 +212,63 @@ def _async(rank: int, world_size: int) -> dict[str, Any]:
         for i in range(world_size)
     ]
     seen["many_async"] = all(w.wait() for w in works)
+    return seen
+
+
+def _hosts(rank: int, world_size: int, path: Path) -> dict[str, Any]:
+    """Run ops on a group whose ranks 0 and 1 say they share a host and rank 2 is apart.
+
+    Ranks meet in shared memory inside a host and over Gloo between hosts: the
+    library's CPU group learns the hosts through the store, from each rank's node key.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from collective.groups import topology
+
+    real = topology.node_key
+    topology.node_key = lambda: "host:a" if rank < 2 else "host:b"
+    try:
+        init(rank, world_size, path)
+    finally:
+        topology.node_key = real
+    seen: dict[str, Any] = {"hosts_repr": repr(dist.group.WORLD)}
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.broadcast(t if rank != 2 else t * 2, src=2)
+    outs = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(outs, torch.full((1,), float(rank)))
+    seen["hosts_collectives"] = (t.tolist(), [o.item() for o in outs])
+    if rank == 0:
+        got = [torch.zeros(1), torch.zeros(1)]
+        sources = sorted((dist.recv(g), g.item()) for g in got)
+        seen["hosts_any_source"] = sources
+    else:
+        dist.send(torch.full((1,), 100.0 + rank), 0)
+    dist.destroy_process_group()
+    return seen
+
+
+def _forms(rank: int, world_size: int) -> dict[str, Any]:
+    """Call the group's ops in torch's convenience forms, as hooks and programs do."""
+    import torch
+    import torch.distributed as dist
+
+    pg: Any = dist.group.WORLD
+    seen: dict[str, Any] = {}
+    t = torch.full((2,), float(rank))
+    pg.allreduce(t).wait()
+    pg.allreduce([t], op=dist.ReduceOp.MAX).wait()
+    seen["forms_allreduce"] = t.tolist()
+    pg.broadcast(t, 2).wait()
+    pg.reduce(t, 0, dist.ReduceOp.SUM).wait()
+    seen["forms_rooted"] = t.tolist()
+    outs = [torch.zeros(1) for _ in range(world_size)]
+    pg.allgather(outs, torch.full((1,), float(rank))).wait()
+    out = torch.zeros(1)
+    pg.reduce_scatter(out, [torch.ones(1) for _ in range(world_size)], op=dist.ReduceOp.SUM).wait()
+    pg.barrier(timeout=timedelta(seconds=60)).wait()
+    seen["forms_lists"] = ([o.item() for o in outs], out.item())
     return seen
 
 

@@ -17,14 +17,21 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from collective.ops import list_calls
 from collective.ops.calls import ALLREDUCE, BROADCAST, REDUCE, call
+from collective.torch_backend import sparse
 from collective.torch_backend.adapter import Adapter
 from collective.torch_backend.options import REDUCE_OPS, reduce_op, timeout_of
+from collective.torch_backend.overloads import listed, options
 from collective.torch_backend.work import DONE
 from collective.types import ArgumentValueError
 
 _ZERO = timedelta(0)
+_ALLREDUCE = dist.AllreduceOptions
+"""torch's options class of ``allreduce``, as torch and DDP pass it."""
 
 
 def one_tensor(tensors: list[Any], name: str) -> Any:
@@ -41,11 +48,20 @@ def one_tensor(tensors: list[Any], name: str) -> Any:
     return tensors[0]
 
 
-def allreduce(self: Adapter, tensors: list[Any], opts: Any) -> Any:
-    """Reduce every rank's tensor by ``opts.reduceOp`` into each rank's tensor, in place."""
+def allreduce(self: Adapter, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    """Reduce every rank's tensor by ``opts.reduceOp`` into each rank's tensor, in place.
+
+    A sparse COO tensor is summed (``sparse``). Takes ``(tensors, opts)`` or torch's
+    ``(tensor or tensors, op=SUM, timeout=None)``.
+    """
+    opts: Any = args[0] if len(args) == 1 else None
+    if opts.__class__ is not _ALLREDUCE or kwargs:
+        tensors, opts = listed(tensors), options("allreduce", args, kwargs)
     tensor = tensors[0] if len(tensors) == 1 else one_tensor(tensors, "tensor")
     if not tensor.is_cpu:
         return self.other_device("allreduce", tensor, tensors, opts)
+    if tensor.is_sparse:
+        return sparse.all_reduce(self, tensor, opts)
     op = REDUCE_OPS[opts.reduceOp.op.value] or reduce_op(opts)
     timeout = opts.timeout
     if opts.asyncOp:
@@ -55,8 +71,13 @@ def allreduce(self: Adapter, tensors: list[Any], opts: Any) -> Any:
     return DONE
 
 
-def broadcast(self: Adapter, tensors: list[Any], opts: Any) -> Any:
-    """Copy ``opts.rootRank``'s tensor into every other rank's tensor, in place."""
+def broadcast(self: Adapter, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    """Copy ``opts.rootRank``'s tensor into every other rank's tensor, in place.
+
+    Takes ``(tensors, opts)`` or torch's ``(tensor, root, timeout=None)``.
+    """
+    opts = options("broadcast", args, kwargs)
+    tensors = listed(tensors)
     tensor = tensors[0] if len(tensors) == 1 else one_tensor(tensors, "tensor")
     if not tensor.is_cpu:
         return self.other_device("broadcast", tensor, tensors, opts)
@@ -65,8 +86,13 @@ def broadcast(self: Adapter, tensors: list[Any], opts: Any) -> Any:
     return self.async_work(work, tensors) if async_op else DONE
 
 
-def reduce(self: Adapter, tensors: list[Any], opts: Any) -> Any:
-    """Reduce every rank's tensor onto ``opts.rootRank``'s; the others' stay unchanged."""
+def reduce(self: Adapter, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    """Reduce every rank's tensor onto ``opts.rootRank``'s; the others' stay unchanged.
+
+    Takes ``(tensors, opts)`` or torch's ``(tensor, root, op=SUM, timeout=None)``.
+    """
+    opts = options("reduce", args, kwargs)
+    tensors = listed(tensors)
     tensor = tensors[0] if len(tensors) == 1 else one_tensor(tensors, "tensor")
     if not tensor.is_cpu:
         return self.other_device("reduce", tensor, tensors, opts)
@@ -76,8 +102,14 @@ def reduce(self: Adapter, tensors: list[Any], opts: Any) -> Any:
     return self.async_work(work, tensors) if async_op else DONE
 
 
-def allgather(self: Adapter, output_lists: list[list[Any]], inputs: list[Any], opts: Any) -> Any:
-    """Write rank i's tensor into ``output_lists[0][i]`` on every rank."""
+def allgather(self: Adapter, output_lists: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    """Write rank i's tensor into ``output_lists[0][i]`` on every rank.
+
+    Takes ``(output_lists, inputs, opts)`` or torch's ``(outputs, input, timeout=None)``.
+    """
+    opts = options("allgather", args, kwargs)
+    if isinstance(inputs, torch.Tensor):
+        output_lists, inputs = [output_lists], [inputs]
     tensor = one_tensor(inputs, "input tensor")
     if not tensor.is_cpu:
         return self.other_device("allgather", tensor, output_lists, inputs, opts)
@@ -87,8 +119,9 @@ def allgather(self: Adapter, output_lists: list[list[Any]], inputs: list[Any], o
     )
 
 
-def all_gather_single(self: Adapter, output: Any, input: Any, opts: Any) -> Any:
+def all_gather_single(self: Adapter, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
     """Write rank i's ``input`` into the i-th chunk of every rank's ``output`` along dim 0."""
+    opts = options("allgather", args, kwargs)
     if not input.is_cpu:
         return self.other_device("all_gather_single", input, output, input, opts)
     return self.run_list(
@@ -96,10 +129,14 @@ def all_gather_single(self: Adapter, output: Any, input: Any, opts: Any) -> Any:
     )
 
 
-def reduce_scatter(
-    self: Adapter, outputs: list[Any], input_lists: list[list[Any]], opts: Any
-) -> Any:
-    """Reduce element i of every rank's ``input_lists[0]`` into rank i's output, in place."""
+def reduce_scatter(self: Adapter, outputs: Any, input_lists: Any, *args: Any, **kwargs: Any) -> Any:
+    """Reduce element i of every rank's ``input_lists[0]`` into rank i's output, in place.
+
+    Takes ``(outputs, input_lists, opts)`` or torch's ``(output, inputs, op=SUM, timeout=None)``.
+    """
+    opts = options("reduce_scatter", args, kwargs)
+    if isinstance(outputs, torch.Tensor):
+        outputs, input_lists = [outputs], [input_lists]
     output = one_tensor(outputs, "output tensor")
     if not output.is_cpu:
         return self.other_device("reduce_scatter", output, outputs, input_lists, opts)
@@ -110,8 +147,9 @@ def reduce_scatter(
     )
 
 
-def reduce_scatter_single(self: Adapter, output: Any, input: Any, opts: Any) -> Any:
+def reduce_scatter_single(self: Adapter, output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
     """Reduce chunk i (along dim 0) of every rank's ``input`` into rank i's ``output``."""
+    opts = options("reduce_scatter_single", args, kwargs)
     if not output.is_cpu:
         return self.other_device("reduce_scatter_single", output, output, input, opts)
     op = REDUCE_OPS[opts.reduceOp.op.value] or reduce_op(opts)
@@ -120,10 +158,10 @@ def reduce_scatter_single(self: Adapter, output: Any, input: Any, opts: Any) -> 
     )
 
 
-def barrier(self: Adapter, opts: Any = None) -> Any:
-    """Block until every rank has entered the barrier (with ``async_op``, return at once)."""
-    if opts is None:
-        import torch.distributed as dist
+def barrier(self: Adapter, *args: Any, **kwargs: Any) -> Any:
+    """Block until every rank has entered the barrier (with ``async_op``, return at once).
 
-        opts = dist.BarrierOptions()
+    Takes ``(opts)`` or torch's ``(timeout=None)``.
+    """
+    opts = options("barrier", args, kwargs)
     return self.run_list(list_calls.build_barrier, "barrier", (), (), opts, [])
