@@ -85,6 +85,7 @@ def test_async_work_waits_polls_and_completes_its_future(seen: dict[int, dict[st
         assert got["future"] == [[3.0] * 4]
         assert got["chained"] == [6.0] * 4
         assert got["many_async"] is True
+        assert got["functional"] == [3.0, 3.0]
 
 
 def test_the_convenience_forms_of_the_groups_ops(seen: dict[int, dict[str, Any]]) -> None:
@@ -122,7 +123,8 @@ def test_subgroups_run_on_the_backend_and_split_group_says_why_not(
     seen: dict[int, dict[str, Any]],
 ) -> None:
     for rank in (0, 2):
-        assert seen[rank]["new_group"] == ["collective", [2.0, 2.0]]
+        backend, summed, name = seen[rank]["new_group"]
+        assert (backend, summed) == ("collective", [2.0, 2.0]) and name, seen[rank]["new_group"]
     assert [seen[r]["new_subgroups"] for r in range(WORLD)] == [[2.0], [2.0], [1.0]]
     for rank in range(WORLD):
         assert "No device associated with the default pg" in seen[rank]["split_group"]

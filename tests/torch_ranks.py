@@ -212,6 +212,12 @@ def _async(rank: int, world_size: int) -> dict[str, Any]:
         for i in range(world_size)
     ]
     seen["many_async"] = all(w.wait() for w in works)
+    import torch.distributed._functional_collectives as funcol
+
+    world = dist.group.WORLD
+    assert world is not None
+    summed = funcol.all_reduce(torch.full((2,), float(rank)), "sum", world)
+    seen["functional"] = funcol.wait_tensor(summed).tolist()
     return seen
 
 
@@ -354,7 +360,8 @@ def _subgroups(rank: int, world_size: int) -> dict[str, Any]:
     if rank in (0, 2):
         t = torch.full((2,), float(rank))
         dist.all_reduce(t, group=pair)
-        seen["new_group"] = (dist.get_backend(pair), t.tolist())
+        seen["new_group"] = (dist.get_backend(pair), t.tolist(), pair.group_name)
+        dist.destroy_process_group(pair)
     mine, _ = dist.new_subgroups_by_enumeration([[0, 1], [2]])
     t = torch.ones(1)
     dist.all_reduce(t, group=mine)

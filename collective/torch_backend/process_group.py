@@ -64,24 +64,28 @@ class CollectiveProcessGroup(_ProcessGroup):
         self._monitored = MonitoredBarrier(store, group.rank, group.world_size)
         self._bound_lock = threading.Lock()
         self._bound: set[str] = set()
-        self._group_name = ""
+        self._torch_name = ""
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         """Return "collective"."""
         return BACKEND_NAME
 
     def _set_group_name(self, name: str) -> None:
-        """Keep the name torch gives the group as it registers it."""
-        self._group_name = name
+        """Keep the name torch gives the group (torch's own keeps it on a backend it lacks)."""
+        self._torch_name = name
+        super()._set_group_name(name)
 
     @property
     def group_name(self) -> str:
-        """Return the name torch gave the group: ``DeviceMesh`` (FSDP2) finds groups by it.
+        """Return the name torch gave the group.
 
-        torch's own ``ProcessGroup`` reads it from a registered ``Backend``, which a
-        process group written in Python does not have.
+        Raises:
+            RuntimeError: torch has not named it yet.
+
         """
-        return self._group_name
+        if not self._torch_name:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._torch_name
 
     def __repr__(self) -> str:
         return (
