@@ -317,7 +317,7 @@ def test_torch_page_quotes_the_committed_run_and_stays_short(site: Path) -> None
         assert f"{row['steps_per_s']['median']:.3g}" in text, row
     for goal in data["goals"]:
         assert goal["measured"] in text and goal["verdict"].upper() in text, goal
-    assert data["meta"]["command"] in text.replace("\\\n    ", "")
+    assert perf_pages.command(data["meta"]) in text.replace("\\\n    ", "")
     source = (DOCS / "torch-distributed.md").read_text(encoding="utf-8")
     prose = re.sub(r"```.*?```|`[^`]*`", "", source, flags=re.S)
     assert not TIME.findall(prose), "a time typed by hand: generate it from the results file"
