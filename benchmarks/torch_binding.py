@@ -1,7 +1,7 @@
 """What the torch binding adds per call: ``dist.all_reduce`` beside ``col.allreduce`` on one group.
 
-Usage: python -m benchmarks.torch_binding [--world-size 2] [--bytes 8] [--iters 2000]
-       [--rounds 7] [--import-runs 10] [--json PATH]
+Usage: python -m benchmarks.torch_binding [--world-size 2] [--bytes 8] [--iters 1000]
+       [--rounds 15] [--import-runs 10] [--json PATH]
 
 Each rank of a world of spawned processes builds one torch process group of the backend
 "collective" and also names its library group for ``col.allreduce``; the ranks then time,
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_binding")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--bytes", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--import-runs", type=int, default=10, help="0: skip the import timing")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)

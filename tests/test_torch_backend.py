@@ -261,12 +261,13 @@ def test_registration_is_idempotent_and_a_device_config_routes_cpu_tensors_here(
 
 FAST_SUITE = [
     "test_all_reduce_sum",
-    "test_broadcast",
-    "test_all_gather",
+    "test_scatter_full_group",
     "test_send_recv_any_source",
-    "test_barrier_full_group",
+    "test_accumulate_gradients_no_sync_allreduce_hook",
 ]
-"""A part of torch's own suite (``tests.torch_suite``), an op family each, run on collective."""
+"""A part of torch's own suite (``tests.torch_suite``) run on collective: all_reduce, scatter on
+a new group, receives from any source, a DDP communication hook, about 5 s each (each spawns
+two processes that import torch); the ops world covers the other families."""
 
 
 def test_a_fast_part_of_torchs_own_backend_tests_passes(tmp_path: Path) -> None:
