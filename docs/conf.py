@@ -14,6 +14,9 @@ benchmark runs, so they cannot drift:
   and commands, and the detail page's full tables and figures, from
   ``docs/performance/results.json``, ``busbw*.png``, ``bulk.json`` and ``bulk.png``.
   Without them the pages say how to make them.
+- the torch.distributed page's numbers (``@numbers@``), from
+  ``docs/performance/torch_backend.json`` (``torch_pages``); without it the page says how
+  to make it.
 - every GPU number: the NCCL page's "How fast on GPUs" (``@gpu@``), the landing page's
   GPU rows (``@gpu_headlines@``) and the performance page's pointer (``@gpu_status@``),
   from ``docs/performance/gpu.json`` (``gpu_pages``); without it they say that no GPU
@@ -41,6 +44,7 @@ sys.path.insert(0, str(DOCS.parent))
 
 import gpu_pages  # noqa: E402
 import perf_pages  # noqa: E402
+import torch_pages  # noqa: E402
 
 import collective  # noqa: E402
 from benchmarks import gpu_results, plots  # noqa: E402
@@ -88,7 +92,15 @@ html_context = {"default_mode": "light"}
 
 SECTIONS = {
     "get-started": ["install", "quickstart", "examples"],
-    "how-to": ["weight-sync", "elastic", "nccl", "inside-ray", "migration", "debugging"],
+    "how-to": [
+        "weight-sync",
+        "elastic",
+        "nccl",
+        "inside-ray",
+        "torch-distributed",
+        "migration",
+        "debugging",
+    ],
     "reference": [
         "api",
         "backends",
@@ -228,6 +240,8 @@ RESULTS_JSON = PERF / "results.json"
 PLOT = PERF / "busbw.png"
 BULK_JSON = PERF / "bulk.json"
 BULK_PLOT = PERF / "bulk.png"
+TORCH_JSON = PERF / "torch_backend.json"
+"""The committed run of ``python -m benchmarks.torch_backend``: the torch.distributed page."""
 GPU_JSON = PERF / "gpu.json"
 """The committed GPU run: ``python -m benchmarks.gpu_results --from $OUT/bench.json``."""
 SUMMARY_PLOT = DOCS / "_generated" / "allreduce.png"
@@ -525,6 +539,9 @@ GENERATORS: dict[str, dict[str, Callable[[], str]]] = {
         "@gpu_status@": gpu(gpu_pages.performance_body),
     },
     "performance-detail": {"@bulk@": bulk_body, MARKER: full_body},
+    "torch-distributed": {
+        "@numbers@": lambda: torch_pages.numbers_body(perf_pages.load(TORCH_JSON))
+    },
 }
 """Each generated page's markers and what replaces them."""
 

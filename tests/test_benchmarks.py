@@ -12,6 +12,7 @@ the module that they left nothing in it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -82,6 +83,12 @@ def _crowded(out: Path, address: str) -> list[str]:
     return [*command, "--json", str(out / "crowded.json"), "--address", address]
 
 
+def _torch_backend(out: Path, address: str) -> list[str]:
+    command = [sys.executable, "-m", "benchmarks.torch_backend", "--world-sizes", "2"]
+    command += ["--sizes", "8,64K", "--rounds", "2", "--ddp-steps", "1", "--ddp-layers", "1"]
+    return [*command, "--binding-calls", "20", "--json", str(out / "torch_backend.json")]
+
+
 SMOKE_RUNS: dict[str, tuple[Callable[[Path, str], list[str]], float]] = {
     "test_quick_benchmark_writes_table_goals_json_and_plot": (_quick, 400),
     "test_bulk_benchmark_runs_every_row_on_tiny_workloads": (_bulk, 400),
@@ -89,6 +96,7 @@ SMOKE_RUNS: dict[str, tuple[Callable[[Path, str], list[str]], float]] = {
     "test_rdt_benchmark_runs_every_row_on_tiny_workloads": (_rdt, 400),
     "test_host_path_benchmark_writes_a_row_per_path": (_host_path, 300),
     "test_crowded_benchmark_runs_ours_ray_and_the_baseline_in_rounds": (_crowded, 300),
+    "test_torch_backend_benchmark_writes_every_row_and_goal": (_torch_backend, 300),
 }
 """By the test that checks it: each smoke run's command, given the folder it writes into
 and the Ray cluster's address, and its timeout in seconds."""
@@ -196,22 +204,25 @@ def test_quick_benchmark_writes_table_goals_json_and_plot(smoke: SmokeRun) -> No
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("module", "flags", "message"),
     [
-        (["--ops", "allreduce,scan"], "unknown ops"),
-        (["--impls", "collective,mpi"], "unknown impls"),
-        (["--sizes", "8,4X"], "sizes must be like"),
+        ("__main__", ["--ops", "allreduce,scan"], "unknown ops"),
+        ("__main__", ["--impls", "collective,mpi"], "unknown impls"),
+        ("__main__", ["--sizes", "8,4X"], "sizes must be like"),
+        ("torch_backend", ["--ops", "all_reduce,scan"], "unknown ops ['scan']"),
+        ("torch_backend", ["--world-sizes", "1"], "world sizes must be at least 2"),
+        ("torch_backend", ["--sizes", "8,4X"], "sizes must be like"),
     ],
 )
 def test_bad_arguments_are_rejected_before_anything_starts(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    module: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``python -m benchmarks`` with these flags exits with status 2 from its argument checks.
+    """``python -m benchmarks[.module]`` with these flags exits with status 2 from its checks.
 
-    Its ``main`` runs here, as ``-m`` runs it (the quick test runs it so); nothing
+    Its ``main`` runs here, as ``-m`` runs it (the smoke tests run it so); nothing
     else starts, so no process needs to.
     """
-    from benchmarks.__main__ import main
+    main = importlib.import_module(f"benchmarks.{module}").main
 
     with pytest.raises(SystemExit) as exit_:
         main(flags)
@@ -675,3 +686,30 @@ def test_crowded_benchmark_rejects_bad_arguments(
     with pytest.raises(SystemExit):
         crowded.arguments(flags)
     assert message in capsys.readouterr().err
+
+
+def test_torch_backend_benchmark_writes_every_row_and_goal(smoke: SmokeRun) -> None:
+    """``benchmarks.torch_backend`` times each op, DDP and the binding on both backends."""
+    from benchmarks.torch_backend_ranks import BACKENDS, OPS
+
+    done = smoke.done()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads((smoke.folder / "torch_backend.json").read_text())
+    rows = {(r["op"], r["size"], r["backend"]): r for r in data["ops"]}
+    assert set(rows) == {(op, size, b) for op in OPS for size in (8, 65536) for b in BACKENDS}
+    for row in [*rows.values(), *data["binding"]]:
+        assert row["world_size"] == 2, row
+        for spread in (v for k, v in row.items() if k.endswith("_us") and k != "added_us"):
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"], row
+    assert {r["backend"] for r in data["ddp"]} == set(BACKENDS)
+    assert all(r["steps_per_s"]["median"] > 0 for r in data["ddp"])
+    meta = data["meta"]
+    assert meta["rounds"] == 2 and meta["ddp_gradient_bytes"] == 4 << 20
+    assert meta["command"].startswith("python -m benchmarks.torch_backend --world-sizes 2")
+    assert {"machine", "cpus", "torch", "load_average", "when", "seconds"} <= set(meta)
+    verdicts = [g["verdict"] for g in data["goals"]]
+    # No 64 MiB buffer and no 64 MiB model in a smoke run: two goals are not measured.
+    assert verdicts[1:3] == ["not measured", "not measured"], data["goals"]
+    assert verdicts[0] in ("pass", "fail") and verdicts[3] in ("pass", "fail")
+    for goal in data["goals"]:
+        assert goal["claim"] in done.stdout

@@ -41,6 +41,7 @@ PAGES = [
     "elastic",
     "nccl",
     "inside-ray",
+    "torch-distributed",
     "migration",
     "debugging",
     "reference",
@@ -128,7 +129,14 @@ def test_sections_list_their_pages(site: Path) -> None:
     index = page(site, "index")
     for section, pages in {
         "get-started": ["install", "quickstart", "examples"],
-        "how-to": ["weight-sync", "nccl", "inside-ray", "migration", "debugging"],
+        "how-to": [
+            "weight-sync",
+            "nccl",
+            "inside-ray",
+            "torch-distributed",
+            "migration",
+            "debugging",
+        ],
         "reference": ["api", "backends", "support-matrix", "environment", "troubleshooting"],
         "explanation": [
             "concepts",
@@ -385,6 +393,26 @@ def test_inline_names_link_to_the_api_reference(site: Path) -> None:
     )
     index = page(site, "index")
     assert 'href="api.html#collective.nccl_available"' in index
+
+
+def test_torch_page_quotes_the_committed_run_and_stays_short(site: Path) -> None:
+    """Every number of the torch.distributed page is generated from ``torch_backend.json``."""
+    data = perf_pages.load(DOCS / "performance" / "torch_backend.json")
+    assert data is not None
+    text = html.unescape(re.sub(r"<[^>]+>", "", page(site, "torch-distributed")))
+    for row in data["ops"]:
+        assert perf_pages.duration(row["time_us"]["median"] * 1e-6) in text, row
+    for row in data["ddp"]:
+        assert f"{row['steps_per_s']['median']:.3g}" in text, row
+    for goal in data["goals"]:
+        assert goal["measured"] in text and goal["verdict"].upper() in text, goal
+    assert perf_pages.command(data["meta"]) in text.replace("\\\n    ", "")
+    source = (DOCS / "torch-distributed.md").read_text(encoding="utf-8")
+    prose = re.sub(r"```.*?```|`[^`]*`", "", source, flags=re.S)
+    assert not TIME.findall(prose), "a time typed by hand: generate it from the results file"
+    torch_page = page(site, "torch-distributed")
+    code = words_of_tables(torch_page.replace("<pre", "<table").replace("</pre>", "</table>"))
+    assert words(torch_page) - code < 1500, (words(torch_page), code)
 
 
 def test_pages_speak_to_the_user_not_of_the_code_history(site: Path) -> None:

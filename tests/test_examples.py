@@ -28,6 +28,16 @@ RUN_ELSEWHERE = {
     "quickstart.py": "tests/test_docs.py::test_quickstart_runs_as_written",
     "elastic_sgd.py": "tests/test_elastic_example.py",
     "weight_sync.py": "tests/test_bulk_ray.py::test_weight_sync_example_runs",
+    **{
+        name: "tests/test_torch_clients.py"
+        for name in (
+            "torch_tutorial.py",
+            "torch_ddp.py",
+            "torch_fsdp.py",
+            "torch_torchrun.py",
+            "torch_ray_train.py",
+        )
+    },
 }
 """Examples that another test already runs, and that test."""
 MUST_PRINT = {
