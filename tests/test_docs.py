@@ -408,8 +408,8 @@ def test_torch_page_quotes_the_committed_run_and_stays_short(site: Path) -> None
         assert goal["measured"] in text and goal["verdict"].upper() in text, goal
     assert perf_pages.command(data["meta"]) in text.replace("\\\n    ", "")
     source = (DOCS / "torch-distributed.md").read_text(encoding="utf-8")
-    prose = re.sub(r"```.*?```|`[^`]*`", "", source, flags=re.S)
-    assert not TIME.findall(prose), "a time typed by hand: generate it from the results file"
+    typed = MEASURED.findall(prose(source))
+    assert not typed, f"figures typed by hand: generate them from the results file: {typed}"
     torch_page = page(site, "torch-distributed")
     code = words_of_tables(torch_page.replace("<pre", "<table").replace("</pre>", "</table>"))
     assert words(torch_page) - code < 1500, (words(torch_page), code)
