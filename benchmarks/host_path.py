@@ -61,6 +61,10 @@ class TorchLike(torch.Tensor):
     def get_device(self) -> int:
         return 0
 
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
 
 def _record_stream(x: Any, stream: int) -> None:
     """Stand in for ``cuda_buffers.record_stream``: a kind check; torch's own call is C."""

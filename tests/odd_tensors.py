@@ -1,15 +1,19 @@
-"""Odd tensors for the Ray Direct Transports: those refused, and those carried whole.
+"""Odd tensors for the ops and the Ray Direct Transports: those refused, those carried whole.
 
 ``refused(kind)`` makes a tensor that holds more than its shape, its dtype and its
 elements' bytes; ``REFUSED[kind]`` is what the refusal says about it. ``carried()``
 makes views of other kinds (conjugate, negative, expanded, transposed, requiring
 grad), small and past ``wire.DIRECT_BYTES``, and tensors of subclasses, which Ray
 pickles around the plain tensors inside; ``stripped(got)`` lists every property in
-which what a consumer got differs from what it should get.
+which what a consumer got differs from what it should get. ``wrapped(kind)`` makes a
+tensor of a subclass that defines ``__torch_dispatch__`` (a ``DTensor`` among them),
+whose memory does not hold its values.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,6 +61,57 @@ def refused(kind: str) -> Any:
     if kind == "nested":
         return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     return torch.empty(4, 3, device="meta")
+
+
+WRAPPED = {
+    "dtensor": r"its class is DTensor, .*; pass t\.to_local\(\) for this rank's shard, or "
+    r"t\.full_tensor\(\)",
+    "fake tensor": "its class is FakeTensor, a subclass of torch.Tensor that defines "
+    "__torch_dispatch__",
+    "functional tensor": "its class is FunctionalTensor, a subclass of torch.Tensor that "
+    "defines __torch_dispatch__",
+    "jagged nested": "it is a nested tensor",
+}
+"""Tensors of subclasses that define ``__torch_dispatch__`` (``wrapped(kind)``), whose
+memory does not hold their values, and what their refusal says about them."""
+
+
+@contextlib.contextmanager
+def fake_world() -> Iterator[None]:
+    """Hold a default process group of two ranks that moves nothing, for ``wrapped("dtensor")``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def wrapped(kind: str) -> Any:
+    """Return a tensor of ``kind`` (a key of ``WRAPPED``) of 12 float32 elements per rank.
+
+    A DTensor needs ``fake_world``: it is rank 0's shard of 4 x 3 of a tensor of 8 x 3.
+    """
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3) / 7
+    if kind == "dtensor":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = DeviceMesh("cpu", [0, 1])
+        return DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+    if kind == "fake tensor":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            return torch.empty(4, 3)
+    if kind == "functional tensor":
+        from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+        with FunctionalTensorMode():
+            return FunctionalTensor.to_functional(x)
+    return torch.nested.nested_tensor([x[0], x[1, :2]], layout=torch.jagged)
 
 
 BIG = 1 << 18

@@ -40,3 +40,13 @@ def test_what_holds_more_than_its_bytes_is_refused_by_both(kind: str) -> None:
         with pytest.raises(TypeError, match=f"{transport!r} .*: {odd_tensors.REFUSED[kind]}"):
             manager.extract_tensor_transport_metadata("x", [odd_tensors.refused(kind)])
     assert glob.glob(f"/dev/shm/collective-{os.getpid()}-*") == []
+
+
+@pytest.mark.parametrize("kind", list(odd_tensors.WRAPPED))
+def test_a_wrapper_subclass_is_refused_for_what_its_memory_lacks(kind: str) -> None:
+    with odd_tensors.fake_world():
+        tensor = odd_tensors.wrapped(kind)
+        for transport, manager in _transports():
+            with pytest.raises(TypeError, match=f"{transport!r} .*: {odd_tensors.WRAPPED[kind]}"):
+                manager.extract_tensor_transport_metadata("x", [tensor])
+    assert glob.glob(f"/dev/shm/collective-{os.getpid()}-*") == []

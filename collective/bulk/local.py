@@ -15,7 +15,7 @@ from typing import Any
 from collective.bulk.meta import Listing
 from collective.checks import arguments
 from collective.checks.written import check_written
-from collective.frameworks import kinds, memory, packing
+from collective.frameworks import kinds, memory, packing, values
 from collective.frameworks.kinds import TensorSpec
 from collective.groups.base import BaseGroup
 from collective.types import ArgumentError, ArgumentTypeError, ArgumentValueError, ReduceOp
@@ -74,6 +74,7 @@ def check_buffers(
     reductions: set[str] = set()
     device, dtypes = group.device_type, group.dtypes if reduce_op is not None else kinds.DTYPES
     for x, label in zip(xs, labels, strict=True):
+        values.check_values(x, label)
         spec = kinds.spec(x, label)
         if spec.dtype not in dtypes or spec.device.split(":")[0] != device:
             moved = spec if reduce_op is not None else replace(spec, dtype="uint8")

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from collective.checks.check_args import CheckedGroup
-from collective.frameworks import kinds, memory
+from collective.frameworks import kinds, memory, values
 from collective.frameworks.kinds import TensorSpec
 from collective.groups.base import BaseGroup
 from collective.types import (
@@ -156,7 +156,12 @@ def check_milliseconds(value: Any, name: str) -> timedelta:
 
 
 def check_tensor(group: BaseGroup, x: Any, name: str) -> TensorSpec:
-    """Return the spec of ``x`` if ``group``'s backend can use it (GPU ones: contiguous)."""
+    """Return the spec of ``x`` if ``group``'s backend can use it (GPU ones: contiguous).
+
+    A torch tensor whose memory does not hold its values (``values.not_values``) is
+    refused.
+    """
+    values.check_values(x, name)
     spec = kinds.spec(x, name)
     group.check_tensor(spec, name)
     if group.device_type == "cuda" and not kinds.is_contiguous(x):

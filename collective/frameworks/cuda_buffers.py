@@ -12,6 +12,7 @@ import numpy as np
 
 from collective._version import DISTRIBUTION
 from collective.frameworks.kinds import contiguous_message, is_cupy, is_torch, spec
+from collective.frameworks.values import not_values, refused
 from collective.types import ArgumentTypeError, ArgumentValueError, CollectiveError
 
 CUPY_INSTALL_HINT = (
@@ -68,14 +69,18 @@ def cuda_buffer(x: Any, name: str) -> CudaBuffer:
     """Describe ``x``, a cupy array or CUDA torch tensor, for an NCCL call.
 
     Raises:
-        ArgumentTypeError: ``x`` is no GPU buffer, or its dtype is one NCCL does not move.
+        ArgumentTypeError: ``x`` is no GPU buffer, a torch tensor whose memory does not
+            hold its values (``values.not_values``), or of a dtype NCCL does not move.
         ArgumentValueError: ``x`` is not contiguous.
 
     """
-    if is_torch(x) and x.device.type == "cuda":
+    if is_torch(x) and x.is_cuda:
+        why = not_values(x)
+        if why:
+            raise refused(name, why)
         dtype = str(x.dtype).removeprefix("torch.")
         contiguous = x.is_contiguous() and not x.is_neg()
-        ptr, count, device, itemsize = x.data_ptr(), x.numel(), x.device.index, x.element_size()
+        ptr, count, device, itemsize = x.data_ptr(), x.numel(), x.get_device(), x.element_size()
     elif is_cupy(x):
         interface = x.__cuda_array_interface__
         dtype, shape, itemsize = x.dtype.name, tuple(interface["shape"]), x.dtype.itemsize

@@ -5,7 +5,10 @@ the consumer gets a plain dense tensor of them. A tensor that holds more than th
 would arrive stripped of it, so it is refused before anything is written: quantized
 tensors (their scale and zero point), sparse, mkldnn and nested tensors (their
 indices or pieces), meta tensors (no data) and subclasses of ``torch.Tensor`` (their
-own state; ``torch.nn.Parameter`` excepted, which arrives as a plain tensor).
+own state; ``torch.nn.Parameter`` excepted, which arrives as a plain tensor). The ops
+refuse all of these too (``frameworks.values``) but a subclass that does not define
+``__torch_dispatch__``, whose memory holds its values: refusing it is the
+transports' own rule.
 Conjugate and negative views, non-contiguous and expanded tensors move whole: their
 values arrive, resolved and contiguous.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from collective.frameworks.values import not_values
 from collective.types import ArgumentTypeError
 
 
@@ -40,27 +44,20 @@ def refuse_uncarried(obj_id: str, tensors: Sequence[Any], transport: str) -> Non
 
 
 def _stripped(t: Any) -> str:
-    """Return what a plain dense copy of tensor ``t`` would lose, or "" if nothing."""
+    """Return what a plain dense copy of tensor ``t`` would lose, or "" if nothing.
+
+    Beyond what ``values.not_values`` names, the state of any subclass of
+    ``torch.Tensor`` but ``torch.nn.Parameter``.
+    """
     import torch
 
-    if t.is_nested:
-        return "it is a nested tensor; pass its pieces (t.unbind()) as tensors of their own"
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return (
-            f"its class is {type(t).__qualname__}, a subclass of torch.Tensor whose own "
-            "state would be lost; pass plain tensors (a DTensor's t.to_local(), for one)"
-        )
-    if t.is_quantized:
-        return (
-            f"it is quantized ({t.dtype}, {t.qscheme()}), and its scale and zero point "
-            "would be lost; pass t.dequantize(), or t.int_repr() with the quantizer's "
-            "parameters"
-        )
-    if t.layout != torch.strided:
-        return f"its layout is {t.layout}, and only dense tensors move; pass t.to_dense()"
-    if t.device.type == "meta":
-        return "it is on the meta device and holds no data"
-    return ""
+    why = not_values(t)
+    if why or type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return why
+    return (
+        f"its class is {type(t).__qualname__}, a subclass of torch.Tensor whose own "
+        "state would be lost; pass plain tensors (a DTensor's t.to_local(), for one)"
+    )
 
 
 def _forget(obj_id: str) -> None:
