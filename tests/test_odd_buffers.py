@@ -19,12 +19,13 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 import collective as col
+from collective.checks import arguments
 from collective.frameworks import cuda_buffers, kinds, values
 from collective.groups.cpu.group import CpuGroup
 from collective.types import ArgumentTypeError, CollectiveTimeoutError
@@ -205,6 +206,12 @@ def test_what_a_refusal_says(kind: str) -> None:
     with pytest.raises(ArgumentTypeError, match=f"^x {_REFUSAL}{KINDS[kind]}"):
         values.check_values(odd, "x")
     assert re.match(KINDS[kind], values.not_values(odd))
+
+
+def test_a_multigpu_list_refuses_an_odd_tensor_before_its_group_looks_at_it() -> None:
+    odd, no_group = _odd("dtensor"), cast(Any, None)
+    with pytest.raises(ArgumentTypeError, match=rf"^tensor_list\[0\] {_REFUSAL}"):
+        arguments.check_gpu_tensor_list(no_group, [odd, torch.ones(2)], "tensor_list")
 
 
 def test_plain_tensors_views_and_subclasses_hold_their_values() -> None:
