@@ -20,6 +20,7 @@ rows: ``path``, ``us_per_call``, ``bare_us_per_call``, ``python_calls``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -43,7 +44,7 @@ from collective.groups.nccl.group import NCCLGroup
 from collective.registry import held
 from collective.rendezvous.store import TCPRendezvousStore
 from collective.types import AllReduceOptions, CpuTransport, GroupOptions
-from tests.nccl_binding import DeviceArray, FakeDevice, FakeEvent, Pinned, _Devices
+from tests.nccl_binding import DeviceArray, FakeDevice, Pinned, _Devices
 
 _CUDA0 = torch.device("cuda", 0)
 _STAND_INS = {__file__, sys.modules["tests.nccl_binding"].__file__}
@@ -90,6 +91,16 @@ class _Nothing:
     memcpyAsync = streamCreateWithFlags = _nothing  # noqa: N815
 
 
+class _Event:
+    """``cupy.cuda.Event`` on a runtime that does nothing: only a handle of its own."""
+
+    _handles = itertools.count(0x5E00, 0x10)
+
+    def __init__(self, *, disable_timing: bool = False) -> None:
+        self.ptr = next(self._handles)
+        self.disable_timing = disable_timing
+
+
 class _Comm(_Nothing):
     """A communicator that does nothing; refuses a unique ID of the wrong size, as cupy 14."""
 
@@ -111,7 +122,7 @@ def _bare_cupy() -> Any:
         nccl=nccl,
         runtime=_Nothing(),
         Device=lambda device=None: FakeDevice(devices, device),
-        Event=FakeEvent,
+        Event=_Event,
         alloc_pinned_memory=Pinned,
     )
 

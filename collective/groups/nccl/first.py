@@ -58,12 +58,13 @@ class FirstUse:
         self._group = group_name
         self._prefix = f"nccl/{group_name}/first"
         self._rank = rank
-        self._agreed: dict[str, OrderedDict[tuple[object, ...], None]] = {}
+        self.agreed: dict[str, OrderedDict[tuple[object, ...], None]] = {}
+        """The kinds agreed on each communicator, by its store key (read on every op)."""
         self._counts: dict[str, int] = {}
 
     def needed(self, first: First) -> bool:
         """Return whether ``first.kind`` is new on its communicator."""
-        known = self._agreed.get(first.comm)
+        known = self.agreed.get(first.comm)
         return known is None or first.kind not in known
 
     def agree(self, first: First, op: str, timeout: timedelta) -> None:
@@ -101,7 +102,7 @@ class FirstUse:
                     "called, and the group is unusable"
                 )
         self._counts[first.comm] = k + 1
-        known = self._agreed.setdefault(first.comm, OrderedDict())
+        known = self.agreed.setdefault(first.comm, OrderedDict())
         known[first.kind] = None
         if len(known) > KINDS_KEPT:
             known.popitem(last=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 
@@ -44,24 +44,36 @@ class CommGuard:
         """Return whether ``end`` was called: no NCCL call on the group may start."""
         return self._ended
 
+    def enter(self) -> bool:
+        """Start a call into NCCL; return False (call nothing, and skip ``leave``) once ended.
+
+        The ops' hot path uses ``enter`` and ``leave`` directly; ``calling`` wraps them.
+        """
+        with self._lock:
+            if self._ended:
+                return False
+            self._inside += 1
+            return True
+
+    def leave(self) -> None:
+        """End a call that ``enter`` allowed; run a deferred abort if it was the last."""
+        with self._lock:
+            self._inside -= 1
+            run = self._deferred if self._inside == 0 else []
+            if run:
+                self._deferred = []
+        for release in run:
+            release()
+
     @contextmanager
     def calling(self) -> Iterator[bool]:
         """Run the body as a call into NCCL; yield False (call nothing) once ended."""
-        with self._lock:
-            allowed = not self._ended
-            if allowed:
-                self._inside += 1
+        allowed = self.enter()
         try:
             yield allowed
         finally:
             if allowed:
-                with self._lock:
-                    self._inside -= 1
-                    run = self._deferred if self._inside == 0 else []
-                    if run:
-                        self._deferred = []
-                for release in run:
-                    release()
+                self.leave()
 
     def end(self, release: Callable[[], None]) -> None:
         """Refuse later calls; run ``release`` (the abort) now, or when the last call returns."""
@@ -105,21 +117,38 @@ class IssueLocks:
                 found = self._locks.setdefault(key, threading.Lock())
         return found
 
-    @contextmanager
-    def held(self, cuda: Any, devices: Iterable[int]) -> Iterator[None]:
-        """Hold the locks of ``devices`` (in order of device, so two holders never deadlock).
+    def lock(self, cuda: Any, devices: Iterable[int]) -> AbstractContextManager[Any]:
+        """Return what holds the locks of ``devices``: made once per launch, entered per op.
 
-        ``cuda`` is cupy's CUDA namespace, whose runtime names the process.
+        One device's is its lock itself (entering it runs no Python); several are held
+        in order of device, so two holders never deadlock. ``cuda`` is cupy's CUDA
+        namespace, whose runtime names the process.
         """
         chosen = sorted(set(devices))
-        if len(chosen) == 1:  # the common case, without a stack
-            with self._of(cuda, chosen[0]):
-                yield
-            return
-        with ExitStack() as stack:
-            for device in chosen:
-                stack.enter_context(self._of(cuda, device))
+        if len(chosen) == 1:
+            return self._of(cuda, chosen[0])
+        return _Several([self._of(cuda, device) for device in chosen])
+
+    @contextmanager
+    def held(self, cuda: Any, devices: Iterable[int]) -> Iterator[None]:
+        """Hold the locks of ``devices`` for the body (see ``lock``)."""
+        with self.lock(cuda, devices):
             yield
+
+
+class _Several:
+    """Several issue locks held together, in the order given."""
+
+    def __init__(self, locks: list[threading.Lock]) -> None:
+        self._locks = locks
+
+    def __enter__(self) -> None:
+        for lock in self._locks:
+            lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        for lock in reversed(self._locks):
+            lock.release()
 
 
 ISSUE = IssueLocks()

@@ -84,6 +84,8 @@ class Launch:
     which two ranks issue (see ``groups.progress``)."""
     first: First | None = None
     """What the ranks agree on before the first launch of its kind (see ``first``)."""
+    lock: Any = None
+    """What holds the issue locks of ``devices`` (``guard.ISSUE.lock``), made once."""
 
     def issue(self, nccl: Any, cuda: Any) -> None:
         """Issue the calls; on a failure inside the NCCL group, discard the whole group.

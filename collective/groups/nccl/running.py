@@ -210,7 +210,8 @@ class NcclRunning(NcclChecking):
                 launch = build(op, devices, comms, streams, device_calls, markers, check, callers)
                 name, members = self.names[id(comms[0])]
                 kind = self._kind(op, check_as, signed, device_buffers, key[2])
-                launch = replace(launch, first=First(name, members, kind))
+                lock = ISSUE.lock(self._cuda, devices)
+                launch = replace(launch, first=First(name, members, kind), lock=lock)
             except ArgumentValueError:
                 raise
             except Exception as exc:
@@ -240,30 +241,36 @@ class NcclRunning(NcclChecking):
             if not self._open:
                 self._check_usable(self._destroyed)
             capturing = self._watch.capturing(launch.streams[0])
-            self._connect(launch, timeout, capturing)
+            first = launch.first
+            if first is not None and first.kind not in self._first.agreed.get(first.comm, ()):
+                self._connect(launch, timeout, capturing)
             signed, single = launch.signed, launch.single
-            with self._guard.calling() as allowed:
-                if not allowed:
-                    self._check_usable(self._destroyed)
-                try:
+            guard = self._guard
+            allowed = guard.enter()
+            if not allowed:
+                self._check_usable(self._destroyed)
+            try:
+                if signed is not None and not capturing:
+                    found = signed.check.read()
+                    if found is not None:
+                        raise self._mismatched(found)
+                    self._room(signed, timeout)
+                elif self._checks and not self._checking and not capturing:
+                    failed = self._mismatch()  # the agreements (``agree``) issued before
+                    if failed is not None:
+                        raise failed
+                with launch.lock:
                     if signed is not None and not capturing:
-                        found = signed.check.read()
-                        if found is not None:
-                            raise self._mismatched(found)
-                        self._room(signed, timeout)
-                    elif self._checks and not self._checking and not capturing:
-                        failed = self._mismatch()  # the agreements (``agree``) issued before
-                        if failed is not None:
-                            raise failed
-                    with ISSUE.held(self._cuda, launch.devices):
-                        if signed is not None and not capturing:
-                            self._check_op(launch.op, signed)
-                        if single is not None:
-                            single[0](*single[1])
-                        else:
-                            launch.issue(self._nccl, self._cuda)
-                except Exception as exc:
-                    raise self._fail(launch.op, timeout, exc) from exc
+                        self._check_op(launch.op, signed)
+                    if single is not None:
+                        single[0](*single[1])
+                    else:
+                        launch.issue(self._nccl, self._cuda)
+            except Exception as exc:
+                raise self._fail(launch.op, timeout, exc) from exc
+            finally:
+                if allowed:
+                    guard.leave()
             number = 0
             if launch.counted:
                 number = self._issued = self._issued + 1
@@ -300,7 +307,7 @@ class NcclRunning(NcclChecking):
                 try:
                     if signed is not None:
                         self._room(signed, timeout)
-                    with ISSUE.held(cuda, devices):
+                    with launch.lock:
                         if signed is not None and self._side:  # beside the op: waits for nothing
                             self._check_op(launch.op, signed)
                         for device, stream, caller in zip(

@@ -77,8 +77,8 @@ class Marker:
         self.stream = stream
         self.device = device
         self.pending: deque[Pending] = deque()
-        self.free: list[Any] = []
-        """Events of ops seen finished, to reuse."""
+        self.free: list[Pending] = []
+        """Entries (with their events) of ops seen finished, to reuse."""
 
 
 class Watch:
@@ -170,8 +170,14 @@ class Watch:
                     last.deadline, last.op, last.timeout = deadline, op, timeout
                     last.number = number
             else:
-                event = marker.free.pop() if marker.free else cuda.Event(disable_timing=True)
-                pending.append(Pending(event, deadline, op, timeout, number))
+                if marker.free:  # reused, as its event is: no object made per op
+                    entry = marker.free.pop()
+                    entry.deadline, entry.op, entry.timeout = deadline, op, timeout
+                    entry.number = number
+                else:
+                    entry = Pending(cuda.Event(disable_timing=True), deadline, op, timeout, number)
+                pending.append(entry)
+                event = entry.event
             cuda.runtime.eventRecord(event.ptr, marker.stream)
         if len(pending) == 1 and not self.patrolled:
             WATCHDOG.wake(self)
@@ -212,7 +218,7 @@ class Watch:
                 break
             try:
                 while pending and events_done(self._cuda, [pending[0].event]):
-                    marker.free.append(pending.popleft().event)
+                    marker.free.append(pending.popleft())
                 if not pending:
                     continue
                 self._probe()
