@@ -318,43 +318,52 @@ def _time_out_and_destroy(
 
 
 def test_ranks_that_ask_after_a_peer_destroyed_name_only_the_late_rank() -> None:
-    """4 ranks, 2 s timeout, rank 3 late but alive; ranks 0-2 time out and destroy at once.
+    """4 ranks, rank 3 late but alive; rank 1 times out (1 s) and reports it.
 
-    Ranks 1 and 2 ask how far the others got only after rank 0 has destroyed its
-    group (and rank 1 perhaps after rank 2 has): each still names rank 3 alone.
+    Ranks 0 and 2 (5 s) end at rank 1's report and destroy their groups at once; rank 1
+    asks how far the others got only after both have destroyed: it still names rank 3
+    alone, with ranks 0 and 2 among those that joined. (Timing out together, a rank may
+    hear a peer's report before its own timeout: so only rank 1 times out.)
     """
-    master, world_size, timeout = _master_store(), 4, timedelta(seconds=2)
-    destroyed = threading.Event()
+    master, world_size = _master_store(), 4
+    destroyed, count, lock = threading.Event(), [0], threading.Lock()
     together = threading.Barrier(world_size - 1)
     late = Absence(present=world_size - 1)
 
     def rank(r: int) -> str:
         client = master if r == 0 else _client_store(master, GROUP_TIMEOUT)
-        store = _AsksAfter(client, destroyed) if r in (1, 2) else TCPRendezvousStore(client)
+        store = _AsksAfter(client, destroyed) if r == 1 else TCPRendezvousStore(client)
         group = GlooGroup(world_size, r, "late", store, GROUP_TIMEOUT, host="127.0.0.1")
         try:
             group.allreduce([np.ones(8)], AllReduceOptions())  # every rank: op 1
             if r == 3:
                 late.stay()
-                with pytest.raises(CollectiveError) as raised:
-                    group.allreduce([np.ones(8)], AllReduceOptions(timeout=timeout))
-                return str(raised.value)
-            together.wait(JOIN_S)
-            return _time_out_and_destroy(group, timeout, destroyed, late)
+            else:
+                together.wait(JOIN_S)
+            timeout = timedelta(seconds=1 if r == 1 else 5)
+            with pytest.raises(CollectiveError) as raised:
+                group.allreduce([np.ones(8)], AllReduceOptions(timeout=timeout))
+            if r in (0, 2):
+                group.destroy_group()
+                with lock:
+                    count[0] += 1
+                    if count[0] == 2:
+                        destroyed.set()
+            if r != 3:
+                late.done()
+            return str(raised.value)
         finally:
             group.destroy_group()
 
     messages = _run_threads([functools.partial(rank, r) for r in range(world_size)], JOIN_S)
-    for r, message in enumerate(messages[:3]):
-        assert f"timed out on rank {r} after" in message, message
-        assert message.endswith(
-            "ranks that joined it (op 2 of the group): [0, 1, 2]; ranks that never joined it: "
-            "[3] (rank 3 has issued 1 ops, the last allreduce)"
-        ), message
-    # Rank 3 comes late to op 2: its group heard of the first timeout and is unusable.
-    assert "unusable" in messages[3], messages[3]
-    assert "was aborted on rank 3: rank " in messages[3], messages[3]
-    assert "reported: allreduce on group 'late' timed out on rank " in messages[3], messages[3]
+    assert "timed out on rank 1 after" in messages[1], messages[1]
+    assert messages[1].endswith(
+        "ranks that joined it (op 2 of the group): [0, 1, 2]; ranks that never joined it: "
+        "[3] (rank 3 has issued 1 ops, the last allreduce)"
+    ), messages[1]
+    for r in (0, 2, 3):
+        assert f"was aborted on rank {r}: rank 1 reported: " in messages[r], messages[r]
+        assert "allreduce on group 'late' timed out on rank 1" in messages[r], messages[r]
 
 
 def test_on_shared_memory_a_rank_reads_the_count_of_a_peer_that_destroyed(

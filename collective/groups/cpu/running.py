@@ -265,7 +265,8 @@ class CpuRunning(BaseGroup):
         Each local rank publishes in the arena how many collectives it has entered;
         the ranks on other nodes are not asked. ``stalled`` is the local rank this
         rank waited on when time ran out: named when it joined the op but never
-        took its step.
+        took its step, and every local rank joined (else it may only be waiting,
+        as a gathering leader does, for a rank that never came, which is named).
         """
         arena = self._found.arena
         if self._steps is None or arena is None:
@@ -277,10 +278,11 @@ class CpuRunning(BaseGroup):
         }
         others = [r for r in range(self.world_size) if r != self.rank and r not in counts]
         line = progress.describe(self.rank, self._steps.op, counts, others, "are on other nodes")
-        if stalled is not None:
-            rank = self._global_rank(stalled)
-            if counts.get(rank, 0) >= self._steps.op:
-                line += f"; rank {rank} joined it but did not take its step in time"
+        op = self._steps.op
+        if stalled is not None and all(count >= op for count in counts.values()):
+            line += (
+                f"; rank {self._global_rank(stalled)} joined it but did not take its step in time"
+            )
         return line
 
     # --- teardown ----------------------------------------------------------------------------

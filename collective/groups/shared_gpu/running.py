@@ -351,7 +351,7 @@ class SharedGpuRunning(BaseGroup):
             if r != self.rank
         }
         line = progress.describe(self.rank, op, counts, [], "")
-        if stalled is not None and counts.get(ranks[stalled], 0) >= op:
+        if stalled is not None and all(count >= op for count in counts.values()):
             line += f"; rank {ranks[stalled]} joined it but did not take its step in time"
         return line
 
