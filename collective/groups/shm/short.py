@@ -54,8 +54,9 @@ class _Prepared:
     """Per slot buffer, every local rank's slot as a typed array of the message's length."""
     root: int
     """The op's root, -1 for allreduce."""
-    gathered: bool
-    """Whether the op is gathered at ``gathered.LEADER`` (see ``gathered``)."""
+    results: list[list[np.ndarray]]
+    """For a gathered op (see ``gathered``), per slot buffer, every local rank's result area
+    as a typed array of the message's length; else empty."""
 
 
 class ShortOps:
@@ -97,7 +98,7 @@ class ShortOps:
             TimeoutError, PeerDiedError, AbortedError, MismatchError: as ``Steps``.
 
         """
-        if prepared.gathered:
+        if prepared.results:
             self._allreduce_gathered(prepared, flat, deadline)
             return
         steps = self._steps
@@ -116,23 +117,21 @@ class ShortOps:
         """Run ``allreduce`` as ``gathered.allreduce`` does, on the prepared views."""
         steps = self._steps
         step, parts = self._start(prepared)
-        steps.free(step, deadline)
-        mine = parts[steps.rank]
-        if steps.rank == gathered.LEADER:
-            steps.gather(step, deadline)
+        self._give(step, parts, flat, deadline)
+        who = steps.settle(step, deadline)
+        results = prepared.results[step % steps.nbuf]
+        if who < 0:
+            out = results[steps.rank]
             ufunc = prepared.ufunc
-            ufunc(flat, parts[1], out=mine)
+            ufunc(parts[0], parts[1], out=out)
             for part in parts[2:]:
-                ufunc(mine, part, out=mine)
+                ufunc(out, part, out=out)
             if prepared.divisor:
-                np.divide(mine, prepared.divisor, out=mine)
-            flat[...] = mine
-            steps.post(step)
+                np.divide(out, prepared.divisor, out=out)
+            steps.publish(step)
+            flat[...] = out
         else:
-            mine[...] = flat
-            steps.post(step)
-            steps.collect_gathered(gathered.LEADER, step, deadline)
-            flat[...] = parts[gathered.LEADER]
+            flat[...] = results[who]
         steps.done(step)
 
     def reduce(self, prepared: _Prepared, flat: np.ndarray, deadline: float) -> None:
@@ -203,6 +202,12 @@ class ShortOps:
                 for b in range(steps.nbuf)
             ]
             divisor = self._world_size if op is ReduceOp.AVG else 0
+            results = []
+            if kind == "allreduce" and gathered.gathers(steps, nbytes):
+                results = [
+                    [steps.result(r, b)[:nbytes].view(dtype) for r in range(steps.size)]
+                    for b in range(steps.nbuf)
+                ]
             prepared = _Prepared(
                 steps.signature_word(signed),
                 nbytes,
@@ -210,7 +215,7 @@ class ShortOps:
                 divisor,
                 parts,
                 root,
-                kind == "allreduce" and gathered.gathers(steps, nbytes),
+                results,
             )
         if len(self._prepared) >= MAX_PREPARED:
             self._prepared.clear()
@@ -225,7 +230,8 @@ class ShortOps:
         """
         for prepared in self._prepared.values():
             if prepared is not None:
-                for views in prepared.parts:
+                for views in prepared.parts + prepared.results:
                     views.clear()
                 prepared.parts.clear()
+                prepared.results.clear()
         self._prepared = {}
