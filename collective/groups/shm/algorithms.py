@@ -82,10 +82,10 @@ class Collectives:
     def _meet(self, deadline: float) -> None:
         """Take one step without data: post this rank's header and collect every other.
 
-        Among three or more ranks, see ``gathered.meet``.
+        Among three or more ranks that gather (``Steps.gather_bytes``), see ``gathered.meet``.
         """
         steps = self.steps
-        if steps.size >= gathered.MIN_RANKS:
+        if gathered.gathers(steps, 0):
             gathered.meet(steps, deadline)
             return
         step = steps.next()

@@ -8,9 +8,8 @@ memory lives only as long as the mappings, and a ``kill -9`` leaves nothing behi
 
 Layout, every region aligned to 4096 bytes:
 
-- header: a magic number and the layout, checked by every rank that maps it, the
-  abort word, set by a rank that saw a failure, and the word that says a gathered
-  step is finished, with its sleep flags;
+- header: a magic number and the layout, checked by every rank that maps it, and
+  the abort word, set by a rank that saw a failure;
 - reasons: ``REASON_BYTES`` per local rank, where a rank that sets the abort word
   first writes why, so that the others can say it;
 - control: one block per local rank, written by that rank only: its step
@@ -82,20 +81,6 @@ HDR_STRIDE = 64
 # Words of the header page.
 ABORT_WORD = 16
 """Header word a rank sets to ``1 + its local rank`` when it has seen a failure."""
-
-DONE_WORD = 17
-"""Header word: ``(1 + step) << DONE_SHIFT | rank`` once local ``rank`` has finished the
-gathered ``step`` (see ``finish``). The one word of the arena that several ranks may
-write: every rank that finishes a step writes it, each with its own rank."""
-
-DONE_SHIFT = 12
-"""The bits of ``DONE_WORD`` that hold the finishing rank."""
-
-DONE_FLAGS = 512
-"""Byte offset, in the header page, of the sleep flags on ``DONE_WORD``: one per local rank."""
-
-MAX_DONE_RANKS = min(PAGE - DONE_FLAGS, 1 << DONE_SHIFT)
-"""The most local ranks whose flags, and ranks, fit there: more never gather."""
 
 REASON_BYTES = 512
 """Bytes of each local rank's reason area: an int64 length, then UTF-8 text."""
@@ -232,10 +217,6 @@ class Arena:
         """Return the bytes of ``rank``'s reason area (see ``REASON_BYTES``)."""
         start = PAGE + rank * REASON_BYTES
         return self.bytes[start : start + REASON_BYTES]
-
-    def done_flags(self) -> np.ndarray:
-        """Return the sleep flags on ``DONE_WORD``: byte ``w`` is 1 while rank ``w`` sleeps."""
-        return self.bytes[DONE_FLAGS : DONE_FLAGS + self.layout.flag_bytes]
 
     def control_address(self, rank: int, word: int) -> int:
         """Return the address of ``word`` of ``rank``'s control block."""

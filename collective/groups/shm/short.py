@@ -54,9 +54,8 @@ class _Prepared:
     """Per slot buffer, every local rank's slot as a typed array of the message's length."""
     root: int
     """The op's root, -1 for allreduce."""
-    results: list[list[np.ndarray]]
-    """For a gathered op (see ``gathered``), per slot buffer, every local rank's result area
-    as a typed array of the message's length; else empty."""
+    gathered: bool
+    """Whether the op is gathered at ``gathered.LEADER`` (see ``gathered``)."""
 
 
 class ShortOps:
@@ -98,7 +97,7 @@ class ShortOps:
             TimeoutError, PeerDiedError, AbortedError, MismatchError: as ``Steps``.
 
         """
-        if prepared.results:
+        if prepared.gathered:
             self._allreduce_gathered(prepared, flat, deadline)
             return
         steps = self._steps
@@ -117,21 +116,23 @@ class ShortOps:
         """Run ``allreduce`` as ``gathered.allreduce`` does, on the prepared views."""
         steps = self._steps
         step, parts = self._start(prepared)
-        self._give(step, parts, flat, deadline)
-        who = steps.settle(step, deadline)
-        results = prepared.results[step % steps.nbuf]
-        if who < 0:
-            out = results[steps.rank]
+        steps.free(step, deadline)
+        mine = parts[steps.rank]
+        if steps.rank == gathered.LEADER:
+            steps.gather(step, deadline)
             ufunc = prepared.ufunc
-            ufunc(parts[0], parts[1], out=out)
+            ufunc(flat, parts[1], out=mine)
             for part in parts[2:]:
-                ufunc(out, part, out=out)
+                ufunc(mine, part, out=mine)
             if prepared.divisor:
-                np.divide(out, prepared.divisor, out=out)
-            steps.publish(step)
-            flat[...] = out
+                np.divide(mine, prepared.divisor, out=mine)
+            flat[...] = mine
+            steps.post(step)
         else:
-            flat[...] = results[who]
+            mine[...] = flat
+            steps.post(step)
+            steps.collect_gathered(gathered.LEADER, step, deadline)
+            flat[...] = parts[gathered.LEADER]
         steps.done(step)
 
     def reduce(self, prepared: _Prepared, flat: np.ndarray, deadline: float) -> None:
@@ -202,12 +203,6 @@ class ShortOps:
                 for b in range(steps.nbuf)
             ]
             divisor = self._world_size if op is ReduceOp.AVG else 0
-            results = []
-            if kind == "allreduce" and gathered.gathers(steps, nbytes):
-                results = [
-                    [steps.result(r, b)[:nbytes].view(dtype) for r in range(steps.size)]
-                    for b in range(steps.nbuf)
-                ]
             prepared = _Prepared(
                 steps.signature_word(signed),
                 nbytes,
@@ -215,7 +210,7 @@ class ShortOps:
                 divisor,
                 parts,
                 root,
-                results,
+                kind == "allreduce" and gathered.gathers(steps, nbytes),
             )
         if len(self._prepared) >= MAX_PREPARED:
             self._prepared.clear()
@@ -230,8 +225,7 @@ class ShortOps:
         """
         for prepared in self._prepared.values():
             if prepared is not None:
-                for views in prepared.parts + prepared.results:
+                for views in prepared.parts:
                     views.clear()
                 prepared.parts.clear()
-                prepared.results.clear()
         self._prepared = {}

@@ -32,7 +32,6 @@ from collective.groups.shm.arena import (
     POSTED,
     Arena,
 )
-from collective.groups.shm.finish import BlamedError, Finish
 from collective.groups.shm.sync import Counter, Waiter
 from collective.types import ReduceOp
 
@@ -116,11 +115,9 @@ class Steps:
         """Take part as ``local_rank`` in the steps of ``arena``.
 
         ``ranks`` maps local ranks to the group's ranks, for messages (None: the same).
-        ``gather_bytes``: the longest allreduce gathered into one rank's hands, which
-        finishes it for every rank, and barriers too (see ``gathered`` and ``finish``);
-        at most half a slot; 0: none, every rank reads every other's slot, and barriers
-        among three or more meet at local rank 0 (``gather``). Every local rank must
-        pass the same.
+        ``gather_bytes``: the longest allreduce that local rank 0 gathers and reduces for
+        every rank, and barriers too (see ``gathered``); 0: none, every rank reads every
+        other's slot. Every local rank must pass the same.
         """
         layout = arena.layout
         self.ranks = list(ranks) if ranks is not None else list(range(layout.local_size))
@@ -142,8 +139,6 @@ class Steps:
         self._consumed_all = arena.control[:, CONSUMED]
         self._tables = [arena.slot_headers[:, b, :HDR_BLAME] for b in range(self.nbuf)]
         self.gather_bytes = gather_bytes
-        self.finish = Finish(arena, local_rank, waiter, gather_bytes) if gather_bytes else None
-        """How the ranks finish gathered steps; None where nothing is gathered."""
         self.step = 0
         self.op = 0
         self._sig = 0
@@ -282,33 +277,6 @@ class Steps:
             op, sig, nbytes = (int(w) for w in header[HDR_BLAME + 1 : HDR_BLAME + 4])
             raise MismatchError(self._mismatch(blamed - 1, op, sig, nbytes))
 
-    def settle(self, step: int, deadline: float) -> int:
-        """Wait until a rank finished ``step`` of a gathered op, or this rank must finish it.
-
-        This rank must have posted ``step``. Returns the local rank whose result to read
-        (``result``), or -1: this rank must write its result, then ``publish``. See
-        ``finish``; only where ``gather_bytes`` is not 0.
-
-        Raises:
-            MismatchError: a rank is in another op, or one with other arguments.
-
-        """
-        assert self.finish is not None
-        try:
-            return self.finish.settle(step, deadline)
-        except BlamedError as blamed:
-            raise MismatchError(self._mismatch(blamed.rank, *blamed.seen)) from None
-
-    def result(self, rank: int, step: int) -> np.ndarray:
-        """Return the bytes where ``rank`` writes the result of a gathered ``step``."""
-        assert self.finish is not None
-        return self.finish.results[step % self.nbuf][rank]
-
-    def publish(self, step: int) -> None:
-        """Say that this rank wrote the result of the gathered ``step`` (see ``settle``)."""
-        assert self.finish is not None
-        self.finish.publish(step)
-
     def _mismatch(self, rank: int, op: int, sig: int, nbytes: int) -> str:
         """Describe how local ``rank``, in its ``op``-th op of packed signature ``sig``, differs."""
         theirs, their_fields = describe(sig, nbytes, self.ranks)
@@ -364,14 +332,10 @@ class Steps:
     def release(self) -> None:
         """Drop every view of the arena, so that it can be unmapped; no step may follow."""
         self.slots, self.posted, self.consumed, self._headers = [], [], [], []
-        if self.finish is not None:
-            self.finish.release()
-            self.finish = None
         self._posted_all = self._consumed_all = np.zeros(0, np.int64)
         self._tables = []
         self._control = np.zeros(OP_SEQ + 1, np.int64)
 
     def all_counters(self) -> list[Counter]:
         """Return every counter of the arena's slots, to wake their sleepers."""
-        extra = [self.finish.done] if self.finish is not None else []
-        return self.posted + self.consumed + extra
+        return self.posted + self.consumed

@@ -261,19 +261,18 @@ class Waiter:
         value = int(self._header[ABORT_WORD])
         return value - 1 if value else None
 
-    def _hopeless(self, owners: list[int], deadline: float) -> None:
-        """Raise if a wait on a step of ``owners`` (local ranks) can no longer succeed."""
+    def _hopeless(self, counter: Counter, deadline: float) -> None:
+        """Raise if the wait on ``counter`` can no longer succeed."""
         by = self.aborted_by()
         if by is not None:
             raise AbortedError(self.reason_of(by), by)
         reason = self._interrupted()
         if reason is not None:
             raise AbortedError(reason)
-        for owner in owners:
-            if not self._liveness.alive(owner):
-                raise PeerDiedError(owner)
+        if not self._liveness.alive(counter.owner):
+            raise PeerDiedError(counter.owner)
         if time.monotonic() >= deadline:
-            raise StalledError(owners[0] if owners else self._me)
+            raise StalledError(counter.owner)
 
     def wait(self, counter: Counter, target: int, deadline: float) -> None:
         """Return once ``counter`` is at least ``target``.
@@ -285,73 +284,28 @@ class Waiter:
 
         """
         cells, index = counter.cells, counter.index
-        if cells[index] >= target or self._poll(cells, index, target):
+        if cells[index] >= target:
             return
-        self._sleep_until(counter, target, deadline, None, None)
-
-    def wait_or(
-        self,
-        counter: Counter,
-        target: int,
-        deadline: float,
-        instead: Callable[[], bool],
-        late: Callable[[], list[int]],
-    ) -> bool:
-        """Return True once ``counter`` is at least ``target``, or False once ``instead()`` holds.
-
-        ``instead`` is looked at once the polls are spent, then between sleeps: what
-        it says may need this rank to act, and may come with no wake-up. ``late()``
-        names the local ranks whose death makes the wait hopeless (``counter`` may
-        have no one writer). Raises as ``wait``.
-        """
-        cells, index = counter.cells, counter.index
-        if cells[index] >= target or self._poll(cells, index, target):
-            return True
-        return self._sleep_until(counter, target, deadline, instead, late)
-
-    def _poll(self, cells: np.ndarray, index: int, target: int) -> bool:
-        """Poll ``cells[index]`` for ``target`` before any sleep; return whether it came.
-
-        With more local ranks than cores a poll yields the core first, to the ranks
-        whose steps this rank waits for; with a core per rank it only spins.
-        """
         if self._crowded:
             for _ in range(YIELD_ROUNDS):
                 os.sched_yield()
                 if cells[index] >= target:
-                    return True
+                    return
         else:
             for _ in range(SPIN_POLLS):
                 if cells[index] >= target:
-                    return True
-        return False
-
-    def _sleep_until(
-        self,
-        counter: Counter,
-        target: int,
-        deadline: float,
-        instead: Callable[[], bool] | None,
-        late: Callable[[], list[int]] | None,
-    ) -> bool:
-        """Sleep on ``counter`` a slice at a time; see ``wait_or``, which it finishes."""
-        cells, index, flags, me = counter.cells, counter.index, counter.flags, self._me
+                    return
+        flags, me = counter.flags, self._me
         while True:
-            if instead is not None and instead():
-                return False
-            self._hopeless(late() if late is not None else [counter.owner], deadline)
+            self._hopeless(counter, deadline)
             flags[me] = 1
             observed = int(cells[index])
             if observed < target:
-                self._sleep(counter.address, observed, deadline)
+                left = min(SLICE_S, max(deadline - time.monotonic(), 0.0005))
+                self._kernel.wait(counter.address, observed, left)
             flags[me] = 0
             if cells[index] >= target:
-                return True
-
-    def _sleep(self, address: int, observed: int, deadline: float) -> None:
-        """Sleep while the word at ``address`` holds ``observed``: a slice at most."""
-        left = min(SLICE_S, max(deadline - time.monotonic(), 0.0005))
-        self._kernel.wait(address, observed, left)
+                return
 
     def advance(self, counter: Counter, value: int) -> None:
         """Set ``counter`` (one of this rank's) to ``value`` and wake whoever sleeps on it."""
