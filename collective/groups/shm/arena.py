@@ -12,9 +12,9 @@ Layout, every region aligned to 4096 bytes:
   the abort word, set by a rank that saw a failure;
 - reasons: ``REASON_BYTES`` per local rank, where a rank that sets the abort word
   first writes why, so that the others can say it;
-- control: one block per local rank, written by that rank only (but its doorbell):
-  its step counters, pid and op sequence, and the bytes through which other ranks
-  say they sleep on its counters;
+- control: one block per local rank, written by that rank only: its step
+  counters, pid and op sequence, and the bytes through which other ranks say
+  they sleep on its counters;
 - mail control: one block per ordered pair of local ranks, for send/recv;
 - slot headers: 64 bytes per (rank, buffer): the op and bytes a step carries;
 - slots: ``nbuf`` buffers of ``slot_bytes`` per local rank, the collective pipeline;
@@ -62,11 +62,9 @@ SLOT_BYTES_ENV = "COLLECTIVE_SHM_SLOT_BYTES"
 """Overrides the slot size (bytes, a multiple of 64); small values exercise chunking."""
 
 # Words of a rank's control block.
-POSTED, CONSUMED, PID, OP_SEQ, UNMAPPED, BELL, BELL_ASLEEP = 0, 1, 2, 3, 4, 5, 6
+POSTED, CONSUMED, PID, OP_SEQ, UNMAPPED = 0, 1, 2, 3, 4
 """``UNMAPPED``: set by a rank of a group that shares a GPU once it unmapped the others'
-device slots, so that they may free theirs. ``BELL``: the word a gathering rank sleeps on
-while the others post a step, the one word of a block that other ranks write (see
-``doorbell``); ``BELL_ASLEEP``: 1 while its owner sleeps on it."""
+device slots, so that they may free theirs."""
 FLAGS_OFFSET = 64
 """Byte offset, in a control block, of the sleep flags: ``align(L)`` bytes per counter."""
 

@@ -25,10 +25,13 @@ import os
 import numpy as np
 
 from collective.groups.shm.kernels import Reducer
-from collective.groups.shm.steps import LEADER, Steps
+from collective.groups.shm.steps import Steps
 
 GATHER_BYTES = 64 << 10
 """The longest allreduce the CPU group gathers (``Steps.gather_bytes``), at most a slot."""
+
+LEADER = 0
+"""The local rank that gathers."""
 
 MIN_RANKS = 3
 """The fewest local ranks whose short ops are gathered."""
@@ -75,7 +78,7 @@ def allreduce(steps: Steps, data: np.ndarray, reducer: Reducer, deadline: float)
         steps.post(step)
     else:
         mine[:] = data
-        steps.post_gathered(step)
+        steps.post(step)
         steps.collect_gathered(LEADER, step, deadline)
         data[:] = steps.peer_slot(LEADER, step)[: data.size]
     steps.done(step)
@@ -96,6 +99,6 @@ def meet(steps: Steps, deadline: float) -> None:
         steps.gather(step, deadline)
         steps.post(step)
     else:
-        steps.post_gathered(step)
+        steps.post(step)
         steps.collect_gathered(LEADER, step, deadline)
     steps.done(step)

@@ -130,7 +130,7 @@ class ShortOps:
             steps.post(step)
         else:
             mine[...] = flat
-            steps.post_gathered(step)
+            steps.post(step)
             steps.collect_gathered(gathered.LEADER, step, deadline)
             flat[...] = parts[gathered.LEADER]
         steps.done(step)

@@ -32,7 +32,6 @@ from collective.groups.shm.arena import (
     POSTED,
     Arena,
 )
-from collective.groups.shm.doorbell import Doorbell
 from collective.groups.shm.sync import Counter, Waiter
 from collective.types import ReduceOp
 
@@ -43,9 +42,6 @@ VECTOR_RANKS = 8
 """From this many local ranks on, ``Steps.free`` and ``Steps.gather`` first look at every
 rank's counter or header in one numpy call (about 1 us), not one Python call per rank
 (about 0.3 us each): fewer ranks take the loop alone."""
-
-LEADER = 0
-"""The local rank that gathers (see ``gather`` and ``gathered``)."""
 
 Key = tuple[str, str, int, int]
 """An op's signature as ``Steps.begin`` takes it: op, dtype ("": none), reduction, root."""
@@ -143,10 +139,6 @@ class Steps:
         self._consumed_all = arena.control[:, CONSUMED]
         self._tables = [arena.slot_headers[:, b, :HDR_BLAME] for b in range(self.nbuf)]
         self.gather_bytes = gather_bytes
-        self._bell = Doorbell(arena, LEADER, waiter) if gather_bytes else None
-        """Where ``gather`` sleeps, and gathered posts ring, on a crowded node (one that
-        gathers allreduces); None: the gatherer waits on each counter in turn, as any
-        reader does."""
         self.step = 0
         self.op = 0
         self._sig = 0
@@ -234,10 +226,6 @@ class Steps:
 
         """
         self.waiter.wait(self.posted[rank], step + 1, deadline)
-        self._check(rank, step)
-
-    def _check(self, rank: int, step: int) -> None:
-        """Raise ``MismatchError`` if ``rank``'s header of ``step`` is not this rank's op."""
         header = self._headers[rank][step % self.nbuf]
         op, sig, nbytes = int(header[HDR_OP]), int(header[HDR_SIG]), int(header[HDR_BYTES])
         if op != self.op or sig != self._sig or nbytes != self._nbytes:
@@ -260,9 +248,7 @@ class Steps:
         expected = (self.op, self._sig, self._nbytes)
         mine[HDR_OP], mine[HDR_SIG], mine[HDR_BYTES] = expected
         posted = self.posted
-        if self._bell is not None:
-            self._bell.wait(target, deadline)
-        elif not self._vector or np.count_nonzero(self._posted_all >= target) < self.size - 1:
+        if not self._vector or np.count_nonzero(self._posted_all >= target) < self.size - 1:
             wait = self.waiter.wait
             for rank in self._others:
                 wait(posted[rank], target, deadline)
@@ -277,27 +263,14 @@ class Steps:
                 self.waiter.advance(posted[self.rank], target)
                 raise MismatchError(self._mismatch(rank, *seen))
 
-    def post_gathered(self, step: int) -> None:
-        """Post ``step`` to the rank that gathers it; ring its doorbell if this post is the last.
-
-        ``free`` must have returned for ``step`` first.
-        """
-        self.post(step)
-        if self._bell is not None:
-            self._bell.ring(step + 1)
-
     def collect_gathered(self, rank: int, step: int, deadline: float) -> None:
         """Collect ``step`` from ``rank``, which ``gather``-ed it, and check what it found.
-
-        On a crowded node this rank sleeps at once (``Waiter.wait``'s ``asleep``): what
-        it waits for takes every other rank's turn first.
 
         Raises:
             MismatchError: ``rank`` is in another op, or it found a rank that is.
 
         """
-        self.waiter.wait(self.posted[rank], step + 1, deadline, self._bell is not None)
-        self._check(rank, step)
+        self.collect(rank, step, deadline)
         header = self._headers[rank][step % self.nbuf]
         blamed = int(header[HDR_BLAME])
         if blamed:
@@ -359,8 +332,6 @@ class Steps:
     def release(self) -> None:
         """Drop every view of the arena, so that it can be unmapped; no step may follow."""
         self.slots, self.posted, self.consumed, self._headers = [], [], [], []
-        if self._bell is not None:
-            self._bell.release()
         self._posted_all = self._consumed_all = np.zeros(0, np.int64)
         self._tables = []
         self._control = np.zeros(OP_SEQ + 1, np.int64)

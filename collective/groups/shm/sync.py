@@ -261,39 +261,21 @@ class Waiter:
         value = int(self._header[ABORT_WORD])
         return value - 1 if value else None
 
-    def hopeless(self, owners: list[int], deadline: float) -> None:
-        """Raise if a wait on a step of ``owners`` (local ranks) can no longer succeed.
-
-        Raises:
-            AbortedError: another rank aborted, or this process gave up on the group.
-            PeerDiedError: the process of one of ``owners`` has exited.
-            StalledError: ``deadline`` passed; it names the first of ``owners``.
-
-        """
+    def _hopeless(self, counter: Counter, deadline: float) -> None:
+        """Raise if the wait on ``counter`` can no longer succeed."""
         by = self.aborted_by()
         if by is not None:
             raise AbortedError(self.reason_of(by), by)
         reason = self._interrupted()
         if reason is not None:
             raise AbortedError(reason)
-        for owner in owners:
-            if not self._liveness.alive(owner):
-                raise PeerDiedError(owner)
+        if not self._liveness.alive(counter.owner):
+            raise PeerDiedError(counter.owner)
         if time.monotonic() >= deadline:
-            raise StalledError(owners[0])
+            raise StalledError(counter.owner)
 
-    def sleep(self, address: int, observed: int, deadline: float) -> None:
-        """Sleep while the word at ``address`` holds ``observed``: one slice, or to ``deadline``."""
-        left = min(SLICE_S, max(deadline - time.monotonic(), 0.0005))
-        self._kernel.wait(address, observed, left)
-
-    def wait(self, counter: Counter, target: int, deadline: float, asleep: bool = False) -> None:
+    def wait(self, counter: Counter, target: int, deadline: float) -> None:
         """Return once ``counter`` is at least ``target``.
-
-        ``asleep``: go to sleep at once if it is not there yet, with no spin or yield
-        first. A rank waits so where its wait is long for sure and the rank that must
-        run next is another (see ``gathered``): a rank that yields instead stays
-        runnable, and the scheduler keeps giving it the core the others need.
 
         Raises:
             TimeoutError: ``deadline`` (a ``time.monotonic`` time) passed first.
@@ -304,9 +286,7 @@ class Waiter:
         cells, index = counter.cells, counter.index
         if cells[index] >= target:
             return
-        if asleep:
-            pass
-        elif self._crowded:
+        if self._crowded:
             for _ in range(YIELD_ROUNDS):
                 os.sched_yield()
                 if cells[index] >= target:
@@ -315,13 +295,14 @@ class Waiter:
             for _ in range(SPIN_POLLS):
                 if cells[index] >= target:
                     return
-        flags, me, owner = counter.flags, self._me, [counter.owner]
+        flags, me = counter.flags, self._me
         while True:
-            self.hopeless(owner, deadline)
+            self._hopeless(counter, deadline)
             flags[me] = 1
             observed = int(cells[index])
             if observed < target:
-                self.sleep(counter.address, observed, deadline)
+                left = min(SLICE_S, max(deadline - time.monotonic(), 0.0005))
+                self._kernel.wait(counter.address, observed, left)
             flags[me] = 0
             if cells[index] >= target:
                 return
