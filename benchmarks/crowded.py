@@ -9,8 +9,19 @@ machine of 2 cores, 16 ranks share 2 cores. For each world size the ranks of eve
 implementation start once; each round then runs, for each implementation in turn (who
 goes first rotates from round to round), ``--ops`` single blocking allreduces of each
 size back to back, each timed on every rank; an op counts its slowest rank. A round's
-figure is its median op; a row gives the median of the rounds' figures and their range.
-The last round checks every rank's result.
+figure is its median op; a row gives the median of the rounds' figures and their range,
+and the 1-minute load average as its world size began and ended. The last round checks
+every rank's result.
+
+Where the time goes: each row also gives, read by each rank from its own
+``/proc/self/task/*/schedstat`` around its run, the CPU time per op and rank (every thread
+of the rank's process) and the turns per op and rank (the times the scheduler put the
+thread that runs the ops on a core), over a round's timed and warm-up ops: the median
+rank's, median of the rounds.
+
+The world sizes run one after another, so a ratio between two of them (the growth goal)
+compares points measured minutes apart: on a machine shared with other work, read it
+beside the load averages of both, and beside a baseline's same ratio in the same run.
 
 ``--baseline NAME=PATH`` adds an implementation: ours as imported from the ``collective``
 package in the folder PATH (a checkout of main, say), run the same way in the same
@@ -32,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,11 +112,71 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def runners(args: argparse.Namespace) -> dict[str, peers.RayActors]:
+def _scheduled() -> tuple[int, int] | None:
+    """Return this process's CPU time (ns, every thread) and this thread's turns, from /proc.
+
+    A turn is a time the scheduler put the thread on a core. None where /proc cannot be
+    read (not Linux).
+    """
+    cpu = 0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/schedstat") as stat:
+                cpu += int(stat.read().split()[0])
+        with open("/proc/thread-self/schedstat") as stat:
+            turns = int(stat.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    return cpu, turns
+
+
+class _Rank(peers._CollectiveRank):
+    """A rank that also says what its run cost: CPU us and turns per op (see ``_scheduled``)."""
+
+    def run_costed(self, op: str, size: int, plan: Any) -> tuple[list[float], int, Any]:
+        before = _scheduled()
+        times, wrong = self.run(op, size, plan)
+        after = _scheduled()
+        if before is None or after is None:
+            return times, wrong, None
+        ops = plan.iters + plan.warmup
+        return times, wrong, ((after[0] - before[0]) / 1e3 / ops, (after[1] - before[1]) / ops)
+
+
+_Costed: Any = ray.remote(num_cpus=0)(_Rank)  # Any: Ray's handles are untyped
+
+
+class Runner(peers.RayActors):
+    """``peers.RayActors`` whose runs also say their CPU time and turns per op and rank."""
+
+    def start(self, world_size: int) -> None:
+        """Start ``world_size`` ranks and make their group; see ``peers.RayActors.start``."""
+        group = f"crowded-{self.library}-{uuid.uuid4().hex[:6]}"
+        self.ranks = [_Costed.remote(self.library, self.source) for _ in range(world_size)]
+        made = [
+            a.setup.remote(world_size, r, group, self.transport) for r, a in enumerate(self.ranks)
+        ]
+        ray.get(made, timeout=peers.RAY_TIMEOUT_S)
+
+    def run(self, op: str, size: int, plan: workloads.Plan) -> Any:
+        """Return the per-op times (slowest rank's), wrong elements, and costs per op.
+
+        The costs are the median rank's CPU us and turns per op; None where unread.
+        """
+        refs = [a.run_costed.remote(op, size, plan) for a in self.ranks]
+        results = ray.get(refs, timeout=peers.RAY_TIMEOUT_S)
+        costs = [c for _, _, c in results if c is not None]
+        spent = None
+        if len(costs) == len(results):
+            spent = (statistics.median(c for c, _ in costs), statistics.median(t for _, t in costs))
+        return peers.slowest([t for t, _, _ in results]), sum(w for _, w, _ in results), spent
+
+
+def runners(args: argparse.Namespace) -> dict[str, Runner]:
     """Return a fresh runner per implementation: ours, ``ray.util.collective``, the baselines."""
-    found = {OURS: peers.RayActors("collective", "auto"), RAY: peers.RayActors("ray")}
+    found = {OURS: Runner("collective", "auto"), RAY: Runner("ray")}
     for name, source in args.sources.items():
-        found[name] = peers.RayActors("collective", "auto", source)
+        found[name] = Runner("collective", "auto", source)
     return found
 
 
@@ -112,12 +184,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run every world size's rounds; return one row per (implementation, world size, size)."""
     rows = []
     for n in args.world_sizes:
+        load = round(os.getloadavg()[0], 2)
         started = runners(args)
         try:
             for impl, runner in started.items():
                 _say(f"starting {impl}, {n} ranks")
                 runner.start(n)
             figures: dict[tuple[str, int], list[float]] = {}
+            costs: dict[tuple[str, int], list[tuple[float, float]]] = {}
             wrong: dict[tuple[str, int], int] = {}
             for r in range(args.rounds):
                 check = r == args.rounds - 1
@@ -127,16 +201,34 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for size in args.sizes:
                         _say(f"{impl}, {n} ranks, {size} B, round {r + 1}/{args.rounds}")
                         plan = workloads.Plan(args.ops, args.warmup, 1, barrier=False, check=check)
-                        times, bad = started[impl].run(OP, size, plan)
+                        times, bad, spent = started[impl].run(OP, size, plan)
+                        if spent is not None:
+                            costs.setdefault((impl, size), []).append(spent)
                         figures.setdefault((impl, size), []).append(statistics.median(times))
                         wrong[(impl, size)] = wrong.get((impl, size), 0) + bad
+            loads = [load, round(os.getloadavg()[0], 2)]
             rows += [
-                row(impl, n, size, f, wrong[(impl, size)]) for (impl, size), f in figures.items()
+                {
+                    **row(impl, n, size, f, wrong[(impl, size)]),
+                    **_cost_fields(costs.get((impl, size), [])),
+                    "load_average": loads,
+                }
+                for (impl, size), f in figures.items()
             ]
         finally:
             for runner in started.values():
                 runner.stop()
     return rows
+
+
+def _cost_fields(costs: list[tuple[float, float]]) -> dict[str, float | None]:
+    """Return a row's median CPU us and turns per op and rank over its rounds (None: unread)."""
+    if not costs:
+        return {"cpu_us_per_rank_op": None, "turns_per_rank_op": None}
+    return {
+        "cpu_us_per_rank_op": round(statistics.median(c for c, _ in costs), 1),
+        "turns_per_rank_op": round(statistics.median(t for _, t in costs), 2),
+    }
 
 
 def row(impl: str, world_size: int, size: int, rounds: list[float], wrong: int) -> dict[str, Any]:
@@ -179,6 +271,9 @@ def goals(rows: list[dict[str, Any]], baseline: str | None) -> list[Goal]:
     if ours16 and ours8:
         growth = ours16 / ours8
         text = f"{growth:.2f}x ({ours16:.0f} us against {ours8:.0f} us)"
+        then16, then8 = (_median(rows, baseline, n, 8) if baseline else None for n in (16, 8))
+        if then16 and then8:
+            text += f"; {baseline} in the same run: {then16 / then8:.2f}x"
         found.append(Goal(claim, text, _verdict(growth <= GROWTH)))
     else:
         found.append(Goal(claim, "not in this run", "not measured"))
