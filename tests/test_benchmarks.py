@@ -639,6 +639,7 @@ def test_crowded_benchmark_runs_ours_ray_and_the_baseline_in_rounds(smoke: Smoke
         assert (r["world_size"], r["size"], r["wrong"]) == (3, 8, 0), r
         assert len(r["rounds_us"]) == 2
         assert 0 < r["min_us"] <= r["median_us"] <= r["max_us"]
+        assert r["turns_per_rank_op"] > 0 and r["cpu_us_per_rank_op"] > 0, r
     assert [g["verdict"] for g in data["goals"]] == ["not measured"] * 3
     assert "# goals (issue 49)" in done.stdout
 
