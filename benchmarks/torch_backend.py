@@ -30,6 +30,7 @@ import json
 import multiprocessing
 import os
 import platform
+import queue
 import statistics
 import sys
 import time
@@ -44,6 +45,7 @@ from benchmarks.torch_backend_ranks import (
     DDP_BATCH,
     DDP_LAYERS,
     DDP_WIDTH,
+    NO_COMMUNICATION,
     OPS,
     THREADS,
     Plan,
@@ -81,7 +83,7 @@ def measure(world_size: int, plan: Plan) -> dict[tuple[Any, ...], list[float]]:
     for process in ranks:
         process.start()
     try:
-        times = dict(results.get(timeout=RESULT_TIMEOUT.total_seconds()) for _ in range(world_size))
+        times = _collect(ranks, results)
     finally:
         for process in ranks:
             process.join(60)
@@ -91,6 +93,24 @@ def measure(world_size: int, plan: Plan) -> dict[tuple[Any, ...], list[float]]:
         key: [max(rounds) for rounds in zip(*(times[r][key] for r in times), strict=True)]
         for key in times[0]
     }
+
+
+def _collect(ranks: list[Any], results: Any) -> dict[int, Any]:
+    """Return each rank's times as it sends them; raise once a rank failed or time is up."""
+    deadline = time.monotonic() + RESULT_TIMEOUT.total_seconds()
+    times: dict[int, Any] = {}
+    while len(times) < len(ranks):
+        try:
+            rank, value = results.get(timeout=1)
+            times[rank] = value
+        except queue.Empty:
+            failed = {r: p.exitcode for r, p in enumerate(ranks) if p.exitcode not in (None, 0)}
+            if failed:
+                raise RuntimeError(f"ranks that failed, with their exit status: {failed}") from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(ranks))) - set(times))
+                raise TimeoutError(f"ranks {missing} sent nothing in {RESULT_TIMEOUT}") from None
+    return times
 
 
 def records(world_size: int, times: dict[tuple[Any, ...], list[float]]) -> dict[str, list]:
@@ -153,6 +173,12 @@ def goals(data: dict[str, Any]) -> list[Goal]:
         verdicts.append(Goal(claim, "not in this run", NOT_MEASURED))
     else:
         measured = f"{ours / gloo:.2f}x ({ours:.3g} against {gloo:.3g} steps/s)"
+        alone = _median(data["ddp"], "steps_per_s", world_size=2, backend=NO_COMMUNICATION)
+        if alone is not None:
+            measured += (
+                f"; with no communication at all {alone:.3g} steps/s, "
+                f"at most {alone / gloo:.2f}x gloo's"
+            )
         verdicts.append(Goal(claim, measured, PASS if ours / gloo >= DDP_SPEEDUP else FAIL))
     claim = f"the torch binding adds <= {BINDING_US:g} us per call over the library's call"
     added = _median(data["binding"], "added_us", world_size=2)

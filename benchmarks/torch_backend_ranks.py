@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("collective", "gloo")
+NO_COMMUNICATION = "no communication"
+"""DDP's row whose comm hook hands each bucket back untouched: the step's own cost, which
+bounds how many steps per second any backend can reach."""
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 CHUNKED = frozenset({"all_gather", "reduce_scatter"})
 """Ops whose size is the whole buffer of ``world_size`` chunks (nccl-tests' convention).
@@ -123,24 +126,43 @@ def time_ops(plan: Plan, rank: int, world_size: int, groups: dict[str, Any]) -> 
     return times
 
 
-def ddp_model(layers: int, group: Any) -> torch.nn.Module:
-    """Return DDP over ``group`` of ``layers`` bias-free linear layers, the same on every rank."""
+def ddp_model(layers: int, group: Any, communicate: bool = True) -> torch.nn.Module:
+    """Return DDP over ``group`` of ``layers`` bias-free linear layers, the same on every rank.
+
+    With ``communicate`` False, a comm hook hands each gradient bucket back as it is: DDP
+    still fills its buckets, but nothing is sent.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         *(torch.nn.Linear(DDP_WIDTH, DDP_WIDTH, bias=False) for _ in range(layers))
     )
-    return DistributedDataParallel(model, process_group=group)
+    ddp = DistributedDataParallel(model, process_group=group)
+    if not communicate:
+        # DDP refuses a hook whose annotations are not its own types (here strings).
+        ddp.register_comm_hook(None, lambda state, bucket: _done(bucket.buffer()))
+    return ddp
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Return a future already completed with ``tensor``."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
 
 
 def time_ddp(plan: Plan, rank: int, groups: dict[str, Any]) -> Times:
-    """Time DDP training steps on both backends, round by round; seconds per step."""
+    """Time DDP training steps on both backends and with no communication, round by round.
+
+    Returns seconds per step, keyed ``("ddp", backend)`` and ``("ddp", NO_COMMUNICATION)``.
+    """
     times: Times = {}
     x = torch.randn(DDP_BATCH, DDP_WIDTH, generator=torch.Generator().manual_seed(rank))
     steps = {}
-    for backend, group in groups.items():
-        model = ddp_model(plan.ddp_layers, group)
+    barriers = {**groups, NO_COMMUNICATION: groups["gloo"]}
+    for backend, group in barriers.items():
+        model = ddp_model(plan.ddp_layers, group, communicate=backend != NO_COMMUNICATION)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
 
         def step(model: torch.nn.Module = model, optimizer: Any = optimizer) -> None:
@@ -151,8 +173,8 @@ def time_ddp(plan: Plan, rank: int, groups: dict[str, Any]) -> Times:
         step()
         steps[backend] = step
     for r in range(plan.rounds):
-        for backend in in_turn(r):
-            seconds = timed(steps[backend], plan.ddp_steps, groups[backend])
+        for backend in (*in_turn(r), NO_COMMUNICATION):
+            seconds = timed(steps[backend], plan.ddp_steps, barriers[backend])
             times.setdefault(("ddp", backend), []).append(seconds)
     return times
 

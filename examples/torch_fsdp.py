@@ -18,16 +18,13 @@ Usage: python examples/torch_fsdp.py
 """
 
 import os
-import queue
-import socket
 import sys
-import time
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawned import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
@@ -80,44 +77,9 @@ def worker(rank: int, port: int, results: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """Return a TCP port that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def collect(processes: mp.ProcessContext, results: mp.Queue) -> dict[int, Any] | None:
-    """Return each rank's results, or None if they did not all come within the time limit.
-
-    Reads before joining: a rank exits only once what it sent is read. A rank that
-    raised ends the wait at once: ``join`` raises its error, after ending the others.
-    """
-    deadline = time.monotonic() + RESULT_TIMEOUT_S
-    trained: dict[int, Any] = {}
-    while len(trained) < WORLD_SIZE and time.monotonic() < deadline:
-        try:
-            rank, result = results.get(timeout=1)
-            trained[rank] = result
-        except queue.Empty:
-            processes.join(timeout=0)
-    while len(trained) == WORLD_SIZE and not processes.join(timeout=1):
-        if time.monotonic() > deadline:
-            break
-    if len(trained) < WORLD_SIZE or any(p.is_alive() for p in processes.processes):
-        for process in processes.processes:
-            process.kill()
-        return None
-    return trained
-
-
 def main() -> int:
     """Start the ranks, collect their parameters and compare them; return the exit status."""
-    results = mp.get_context("spawn").Queue()
-    processes = mp.start_processes(
-        worker, (free_port(), results), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
-    trained = collect(processes, results)
+    trained = run_ranks(worker, WORLD_SIZE, RESULT_TIMEOUT_S)
     if trained is None:
         print(f"the ranks did not all end within {RESULT_TIMEOUT_S} s")
         return 1

@@ -691,7 +691,7 @@ def test_crowded_benchmark_rejects_bad_arguments(
 
 def test_torch_backend_benchmark_writes_every_row_and_goal(smoke: SmokeRun) -> None:
     """``benchmarks.torch_backend`` times each op, DDP and the binding on both backends."""
-    from benchmarks.torch_backend_ranks import BACKENDS, OPS
+    from benchmarks.torch_backend_ranks import BACKENDS, NO_COMMUNICATION, OPS
 
     done = smoke.done()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -702,7 +702,7 @@ def test_torch_backend_benchmark_writes_every_row_and_goal(smoke: SmokeRun) -> N
         assert row["world_size"] == 2, row
         for spread in (v for k, v in row.items() if k.endswith("_us") and k != "added_us"):
             assert 0 < spread["min"] <= spread["median"] <= spread["max"], row
-    assert {r["backend"] for r in data["ddp"]} == set(BACKENDS)
+    assert {r["backend"] for r in data["ddp"]} == {*BACKENDS, NO_COMMUNICATION}
     assert all(r["steps_per_s"]["median"] > 0 for r in data["ddp"])
     meta = data["meta"]
     assert meta["rounds"] == 2 and meta["ddp_gradient_bytes"] == 4 << 20

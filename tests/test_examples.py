@@ -40,6 +40,8 @@ RUN_ELSEWHERE = {
     },
 }
 """Examples that another test already runs, and that test."""
+HELPERS = {"spawned.py": "starts the ranks of torch_ddp.py and torch_fsdp.py"}
+"""Modules in examples/ that examples import: not programs of their own."""
 MUST_PRINT = {
     "demo.py": ["live groups in this job: []", "exits by itself"],
     "data_parallel_sgd.py": [
@@ -66,15 +68,20 @@ GPU_MARKER = "GPU example:"
 """How a line of a GPU example's docstring starts; ``tests/gpu/run.sh`` finds them by it."""
 
 
+def programs() -> list[Path]:
+    """Return the programs in examples/, the modules they import left out."""
+    return [p for p in EXAMPLES.glob("*.py") if p.name not in HELPERS]
+
+
 def examples() -> list[str]:
-    return sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in RUN_ELSEWHERE)
+    return sorted(p.name for p in programs() if p.name not in RUN_ELSEWHERE)
 
 
 def gpu_examples() -> list[str]:
     """Return the examples marked as GPU examples, which ``tests/gpu/run.sh`` runs."""
     return sorted(
         p.name
-        for p in EXAMPLES.glob("*.py")
+        for p in programs()
         if any(line.startswith(GPU_MARKER) for line in p.read_text().splitlines())
     )
 
@@ -108,10 +115,10 @@ RUNS_AN_EXAMPLE = test_example_runs_and_passes_its_checks.__name__
 
 def test_every_example_is_a_whole_program_shown_in_the_docs() -> None:
     pages = "".join(page.read_text() for page in (ROOT / "docs").glob("*.md"))
-    for path in sorted(EXAMPLES.glob("*.py")):
+    for path in sorted(programs()):
         assert 'if __name__ == "__main__":' in path.read_text(), path.name
         assert f"../examples/{path.name}" in pages, path.name
-    assert set(MUST_PRINT) <= {p.name for p in EXAMPLES.glob("*.py")}
+    assert set(MUST_PRINT) <= {p.name for p in programs()}
 
 
 def test_gpu_examples_are_marked_and_run_sh_runs_them_by_the_marker() -> None:
@@ -123,7 +130,7 @@ def test_gpu_examples_are_marked_and_run_sh_runs_them_by_the_marker() -> None:
         for line in (ROOT / "docs" / "examples.md").read_text().splitlines()
         if line.startswith("| `")
     }
-    assert sorted(rows) == sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert sorted(rows) == sorted(p.name for p in programs())
     for name, row in rows.items():
         needs = row.rstrip(" |").rsplit("|", 1)[1]
         assert ("GPU" in needs) == (name in gpu_examples()), row

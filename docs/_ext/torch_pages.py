@@ -13,6 +13,7 @@ from typing import Any
 from perf_pages import command, duration, goals_table, times_as, wrapped
 
 from benchmarks.report import human
+from benchmarks.torch_backend_ranks import NO_COMMUNICATION
 
 FILE = "docs/performance/torch_backend.json"
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
@@ -65,16 +66,23 @@ def op_table(rows: list[dict[str, Any]], world_size: int) -> str:
 
 
 def ddp_table(rows: list[dict[str, Any]]) -> str:
-    """Return DDP's steps per second on each backend, by world size."""
-    lines = ["| ranks | `collective` | `gloo` | `collective` / `gloo` |", "|---|---|---|---|"]
+    """Return DDP's steps per second on each backend, and with no communication, by world size.
+
+    Runs from before the no-communication row have no such column.
+    """
+    alone = any(r["backend"] == NO_COMMUNICATION for r in rows)
+    head = "| ranks | `collective` | `gloo` | `collective` / `gloo` |"
+    lines = [head + (" no communication |" if alone else ""), "|---|---|---|---|" + "---|" * alone]
     for world_size in sorted({r["world_size"] for r in rows}):
         rate = {r["backend"]: r["steps_per_s"] for r in rows if r["world_size"] == world_size}
         cells = [
             f"{rate[b]['median']:.3g} [{rate[b]['min']:.3g}\u2013{rate[b]['max']:.3g}]"
-            for b in (OURS, GLOO)
+            for b in (OURS, GLOO, NO_COMMUNICATION)
+            if b in rate
         ]
         ratio = rate[OURS]["median"] / rate[GLOO]["median"]
-        lines.append(f"| {world_size} | {cells[0]} | {cells[1]} | {ratio:.2f}x |")
+        extra = f" {cells[2]} |" if len(cells) > 2 else (" |" if alone else "")
+        lines.append(f"| {world_size} | {cells[0]} | {cells[1]} | {ratio:.2f}x |" + extra)
     return "\n".join(lines)
 
 
