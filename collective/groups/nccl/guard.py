@@ -93,10 +93,12 @@ class CommGuard:
         """
 
         def poll() -> None:
-            with self.calling() as allowed:
-                if allowed:
+            if self.enter():
+                try:
                     for comm in comms():
                         comm.check_async_error()
+                finally:
+                    self.leave()
 
         return poll
 

@@ -1,29 +1,26 @@
 """How an NCCLGroup runs an op: its cached launch, blocking on the caller's stream or async.
 
 Launches: an op's first call with a given signature (see ``launch``) checks and
-describes its buffers, makes its communicators if new, and builds its launch, which
-the group keeps; a repeated call looks it up and issues it. A group runs one op at a
-time, under its op lock, so that ops issued from several threads never interleave
-their NCCL calls. A launch of several calls issues them between one ``groupStart``
-and ``groupEnd``, so no code of ours that could raise runs inside the NCCL group;
-should a call fail there all the same, the NCCL group is discarded
-(``nccl_comm.discard_group``), so no peer is left waiting for half an op, and the
-group fails: its communicators are aborted. A failure, an abort or a destroy drops
-the launches.
+describes its buffers, makes its communicators if new, and builds its launch, which the
+group keeps; a repeated call looks it up and issues it. A group runs one op at a time,
+under its op lock, so ops from several threads never interleave their NCCL calls. A
+launch of several calls issues them between one ``groupStart`` and ``groupEnd``, with no
+code of ours that could raise inside; should a call fail there all the same, the NCCL
+group is discarded (``nccl_comm.discard_group``) and the group fails, its communicators
+aborted, so no peer waits for half an op. A failure, an abort or a destroy drops the
+launches.
 
-Streams: a blocking op (``async_op`` False) runs on the caller's current stream
-(torch's for torch tensors, cupy's for cupy arrays), as NCCL's own API does: no
-stream, event or device switch of ours, so the caller's later work on that stream
-sees the result, and the op can be captured in a CUDA graph. The watchdog (see
-``watchdog``) watches it against its timeout through one reusable event per stream.
-An async op runs on a per-device comm stream, taken from the process's
-``cuda.STREAMS`` and never destroyed (see ``StreamPool`` for why), that first waits
-on an event recorded on the caller's current stream; after the op an event is
-recorded on the comm stream, both from the group's pool. ``Work.wait`` polls that
-event up to the timeout, then orders the caller's current stream after it. The
-group holds an async op's buffers until its event has completed and records the
-comm stream's use of torch tensors with torch's caching allocator, so freeing an
-input early is safe.
+Streams: a blocking op (``async_op`` False) runs on the caller's current stream (torch's
+for torch tensors, cupy's for cupy arrays), as NCCL's own API does: no stream, event or
+device switch of ours, so the caller's later work on that stream sees the result, and
+the op can be captured in a CUDA graph. The watchdog (see ``watchdog``) watches it
+against its timeout through one reusable event per stream. An async op runs on a
+per-device comm stream, taken from the process's ``cuda.STREAMS`` and never destroyed
+(see ``StreamPool``), after an event recorded on the caller's current stream; an event
+recorded after the op, both from the group's pool, is what ``Work.wait`` polls up to the
+timeout before it orders the caller's current stream after it. The group holds an async
+op's buffers until that event has completed and records the comm stream's use of torch
+tensors with torch's caching allocator, so freeing an input early is safe.
 """
 
 from __future__ import annotations
@@ -63,11 +60,7 @@ class NcclRunning(NcclChecking):
     """Runs each op through its cached launch; ``p2p`` and ``group`` describe the ops."""
 
     def _new_event(self, device: int) -> Any:
-        """Return a new event of GPU ``device``, for the group's pool (``_events``).
-
-        An async op takes its events from the pool, and makes one when none of its
-        device is free; each goes back once every wait on it is queued.
-        """
+        """Return a new event of GPU ``device``: for an async op when the pool has none free."""
         with self._cuda.Device(device):
             return self._cuda.Event(disable_timing=True)
 
@@ -294,46 +287,52 @@ class NcclRunning(NcclChecking):
                 self._check_usable(self._destroyed)
             if any(map(self._watch.capturing, launch.callers)):
                 raise ArgumentValueError(_ASYNC_CAPTURE)
-            self._connect(launch, timeout, False)
+            first = launch.first
+            if first is not None and first.kind not in self._first.agreed.get(first.comm, ()):
+                self._connect(launch, timeout, False)
             if self._checks:
                 found = self._mismatch()
                 if found is not None:
                     raise found
             devices, streams = launch.devices, launch.streams
             signed, single = launch.signed, launch.single
-            with self._guard.calling() as allowed:
-                if not allowed:
-                    self._check_usable(self._destroyed)
-                try:
-                    if signed is not None:
-                        self._room(signed, timeout)
-                    with launch.lock:
-                        if signed is not None and self._side:  # beside the op: waits for nothing
-                            self._check_op(launch.op, signed)
-                        for device, stream, caller in zip(
-                            devices, streams, launch.callers, strict=True
-                        ):
-                            free = pool.get(device)
-                            event = free.pop() if free else self._new_event(device)
-                            ready.append(event)
-                            with cuda.Device(device):
-                                runtime.eventRecord(event.ptr, caller)
-                                runtime.streamWaitEvent(stream, event.ptr, 0)
-                        if signed is not None and not self._side:
-                            self._check_op(launch.op, signed)
-                        if single is not None:
-                            single[0](*single[1])
-                        else:
-                            launch.issue(self._nccl, cuda)
-                        for device, stream in zip(devices, streams, strict=True):
-                            free = pool.get(device)
-                            event = free.pop() if free else self._new_event(device)
-                            done.append(event)
-                            with cuda.Device(device):
-                                runtime.eventRecord(event.ptr, stream)
-                    cuda_buffers.record_streams(buffers, devices, streams)
-                except Exception as exc:
-                    raise self._fail(launch.op, timeout, exc) from exc
+            guard = self._guard
+            allowed = guard.enter()
+            if not allowed:
+                self._check_usable(self._destroyed)
+            try:
+                if signed is not None:
+                    self._room(signed, timeout)
+                with launch.lock:
+                    if signed is not None and self._side:  # beside the op: waits for nothing
+                        self._check_op(launch.op, signed)
+                    for device, stream, caller in zip(
+                        devices, streams, launch.callers, strict=True
+                    ):
+                        free = pool.get(device)
+                        event = free.pop() if free else self._new_event(device)
+                        ready.append(event)
+                        with cuda.Device(device):
+                            runtime.eventRecord(event.ptr, caller)
+                            runtime.streamWaitEvent(stream, event.ptr, 0)
+                    if signed is not None and not self._side:
+                        self._check_op(launch.op, signed)
+                    if single is not None:
+                        single[0](*single[1])
+                    else:
+                        launch.issue(self._nccl, cuda)
+                    for device, stream in zip(devices, streams, strict=True):
+                        free = pool.get(device)
+                        event = free.pop() if free else self._new_event(device)
+                        done.append(event)
+                        with cuda.Device(device):
+                            runtime.eventRecord(event.ptr, stream)
+                cuda_buffers.record_streams(buffers, devices, streams)
+            except Exception as exc:
+                raise self._fail(launch.op, timeout, exc) from exc
+            finally:
+                if allowed:
+                    guard.leave()
             number = 0
             if launch.counted:
                 number = self._issued = self._issued + 1
