@@ -177,7 +177,7 @@ def goals(data: dict[str, Any]) -> list[Goal]:
         if alone is not None:
             measured += (
                 f"; with no communication at all {alone:.3g} steps/s, "
-                f"at most {alone / gloo:.2f}x gloo's"
+                f"a ceiling of {alone / gloo:.2f}x over gloo"
             )
         verdicts.append(Goal(claim, measured, PASS if ours / gloo >= DDP_SPEEDUP else FAIL))
     claim = f"the torch binding adds <= {BINDING_US:g} us per call over the library's call"
