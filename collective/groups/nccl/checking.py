@@ -21,6 +21,7 @@ from typing import Any
 from collective.frameworks import cuda_buffers
 from collective.groups.nccl import mismatch
 from collective.groups.nccl.cuda import wait_events
+from collective.groups.nccl.first import First
 from collective.groups.nccl.launch import Launch, Signed, signed
 from collective.groups.nccl.making import NcclMaking
 from collective.types import ArgumentValueError, CollectiveError, ReduceOp
@@ -118,17 +119,17 @@ class NcclChecking(NcclMaking):
             return (op, b.dtype)
         return (check_as or op, *mismatch.fields(check_as or op, buffers[0], *signed))
 
-    def _connect(self, launch: Launch, timeout: timedelta, capturing: bool) -> None:
+    def _connect(self, launch: Launch, first: First, timeout: timedelta, capturing: bool) -> None:
         """Agree with the peers before a launch's first use of its kind (see ``first``).
+
+        Called only when ``first``, the launch's ``first``, is of a kind not in
+        ``_first.agreed`` (the ops read that set inline: it is on every op's path).
 
         Raises:
             ArgumentValueError: the first use would be captured in a CUDA graph.
             CollectiveError: a peer issued another op, or none within ``timeout``.
 
         """
-        first = launch.first
-        if first is None or not self._first.needed(first):
-            return
         if capturing:
             raise ArgumentValueError(
                 f"the first {launch.op} of its kind on group {self.group_name!r} connects "

@@ -62,11 +62,6 @@ class FirstUse:
         """The kinds agreed on each communicator, by its store key (read on every op)."""
         self._counts: dict[str, int] = {}
 
-    def needed(self, first: First) -> bool:
-        """Return whether ``first.kind`` is new on its communicator."""
-        known = self.agreed.get(first.comm)
-        return known is None or first.kind not in known
-
     def agree(self, first: First, op: str, timeout: timedelta) -> None:
         """Publish ``first.kind`` and read every other member's, within ``timeout``.
 

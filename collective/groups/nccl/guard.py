@@ -8,7 +8,7 @@ and ``usage/communicators.rst``, Fault Tolerance):
   other kind) NCCL may hang forever, and cupy's ``abort`` frees the communicator before
   it clears its handle, so a concurrent ``check_async_error`` would pass freed memory.
   ``CommGuard`` keeps them apart: every call a group makes on its communicators runs
-  inside ``calling()``, and ``end`` runs the abort at once when no thread is inside,
+  between ``enter()`` and ``leave()``, and ``end`` runs the abort at once when no thread is inside,
   or else as the last thread leaves; once ended, no call starts. A thread blocked
   inside NCCL (a first-use connection whose peer never comes) therefore delays the
   abort until it returns: the group is marked failed at once all the same.
@@ -24,8 +24,8 @@ and ``usage/communicators.rst``, Fault Tolerance):
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 
@@ -45,10 +45,7 @@ class CommGuard:
         return self._ended
 
     def enter(self) -> bool:
-        """Start a call into NCCL; return False (call nothing, and skip ``leave``) once ended.
-
-        The ops' hot path uses ``enter`` and ``leave`` directly; ``calling`` wraps them.
-        """
+        """Start a call into NCCL; return False (call nothing, and skip ``leave``) once ended."""
         with self._lock:
             if self._ended:
                 return False
@@ -64,16 +61,6 @@ class CommGuard:
                 self._deferred = []
         for release in run:
             release()
-
-    @contextmanager
-    def calling(self) -> Iterator[bool]:
-        """Run the body as a call into NCCL; yield False (call nothing) once ended."""
-        allowed = self.enter()
-        try:
-            yield allowed
-        finally:
-            if allowed:
-                self.leave()
 
     def end(self, release: Callable[[], None]) -> None:
         """Refuse later calls; run ``release`` (the abort) now, or when the last call returns."""
@@ -130,12 +117,6 @@ class IssueLocks:
         if len(chosen) == 1:
             return self._of(cuda, chosen[0])
         return _Several([self._of(cuda, device) for device in chosen])
-
-    @contextmanager
-    def held(self, cuda: Any, devices: Iterable[int]) -> Iterator[None]:
-        """Hold the locks of ``devices`` for the body (see ``lock``)."""
-        with self.lock(cuda, devices):
-            yield
 
 
 class _Several:

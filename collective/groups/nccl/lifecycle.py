@@ -132,8 +132,8 @@ class NcclLifecycle(BaseGroup):
         self._capturing = False
         """Set while a launch is built on a capturing stream: no communicator is made."""
         self._guard = CommGuard()
-        """Every NCCL call on ``_comms`` runs inside ``_guard.calling()``; their abort or
-        destroy runs through ``_guard.end`` (see ``guard``)."""
+        """Every NCCL call on ``_comms`` runs between ``_guard.enter()`` and ``leave()``;
+        their abort or destroy runs through ``_guard.end`` (see ``guard``)."""
         self._probe = self._guard.probe(self._all_comms)
         self._streams: dict[int, int] = {}
         self._events: dict[int, list[Any]] = {}

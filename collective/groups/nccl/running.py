@@ -236,7 +236,7 @@ class NcclRunning(NcclChecking):
             capturing = self._watch.capturing(launch.streams[0])
             first = launch.first
             if first is not None and first.kind not in self._first.agreed.get(first.comm, ()):
-                self._connect(launch, timeout, capturing)
+                self._connect(launch, first, timeout, capturing)
             signed, single = launch.signed, launch.single
             guard = self._guard
             allowed = guard.enter()
@@ -289,7 +289,7 @@ class NcclRunning(NcclChecking):
                 raise ArgumentValueError(_ASYNC_CAPTURE)
             first = launch.first
             if first is not None and first.kind not in self._first.agreed.get(first.comm, ()):
-                self._connect(launch, timeout, False)
+                self._connect(launch, first, timeout, False)
             if self._checks:
                 found = self._mismatch()
                 if found is not None:
