@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,14 +148,7 @@ _Costed: Any = ray.remote(num_cpus=0)(_Rank)  # Any: Ray's handles are untyped
 class Runner(peers.RayActors):
     """``peers.RayActors`` whose runs also say their CPU time and turns per op and rank."""
 
-    def start(self, world_size: int) -> None:
-        """Start ``world_size`` ranks and make their group; see ``peers.RayActors.start``."""
-        group = f"crowded-{self.library}-{uuid.uuid4().hex[:6]}"
-        self.ranks = [_Costed.remote(self.library, self.source) for _ in range(world_size)]
-        made = [
-            a.setup.remote(world_size, r, group, self.transport) for r, a in enumerate(self.ranks)
-        ]
-        ray.get(made, timeout=peers.RAY_TIMEOUT_S)
+    actor = _Costed
 
     def run(self, op: str, size: int, plan: workloads.Plan) -> Any:
         """Return the per-op times (slowest rank's), wrong elements, and costs per op.

@@ -116,6 +116,8 @@ class RayActors:
     """
 
     max_batch = workloads.MAX_BATCH
+    actor: Any = CollectiveRank
+    """The Ray actor class of a rank (a subclass may add methods to ``_CollectiveRank``)."""
 
     def __init__(
         self, library: str, transport: str | None = None, source: str | None = None
@@ -126,7 +128,7 @@ class RayActors:
 
     def start(self, world_size: int) -> None:
         group = f"bench-{self.library}-{uuid.uuid4().hex[:6]}"
-        self.ranks = [CollectiveRank.remote(self.library, self.source) for _ in range(world_size)]
+        self.ranks = [self.actor.remote(self.library, self.source) for _ in range(world_size)]
         refs = [
             a.setup.remote(world_size, r, group, self.transport) for r, a in enumerate(self.ranks)
         ]
