@@ -689,6 +689,34 @@ def test_crowded_benchmark_rejects_bad_arguments(
     assert message in capsys.readouterr().err
 
 
+def _exit_with(status: int) -> None:
+    """A rank of ``benchmarks.torch_backend`` that dies before it sends its times."""
+    sys.exit(status)
+
+
+def test_torch_backend_benchmark_stops_at_once_when_a_rank_dies() -> None:
+    """The parent names a rank that exited without its times, not after its 20-minute wait."""
+    import multiprocessing
+    import time
+
+    from benchmarks import torch_backend
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_exit_with, args=(3,)) for _ in range(2)]
+    for process in ranks:
+        process.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"ranks that failed, with their exit status"):
+            torch_backend._collect(ranks, results)
+    finally:
+        for process in ranks:
+            process.join(60)
+    assert time.monotonic() - started < 60
+    assert [p.exitcode for p in ranks] == [3, 3]
+
+
 def test_torch_backend_benchmark_writes_every_row_and_goal(smoke: SmokeRun) -> None:
     """``benchmarks.torch_backend`` times each op, DDP and the binding on both backends."""
     from benchmarks.torch_backend_ranks import BACKENDS, NO_COMMUNICATION, OPS
